@@ -1,0 +1,65 @@
+"""Rotary position embedding (half-split layout, as in the HF checkpoints), with the llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from alchemist.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    return _llama3_scaled(inv_freq, config.rope_scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context scaling: slow down low frequencies, keep high ones, blend in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed in fp32 for positions 0..n-1 and grown on demand."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(config).to(device), persistent=False)
+        self.register_buffer("cos", torch.empty(0, config.head_dim, device=device), persistent=False)
+        self.register_buffer("sin", torch.empty(0, config.head_dim, device=device), persistent=False)
+
+    def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if num_positions > self.cos.shape[0]:
+            n = 1 << max(num_positions - 1, 255).bit_length()
+            pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+            freqs = pos[:, None] * self.inv_freq[None, :]  # (n, Dh/2), one fp32 product each, as the reference
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos, self.sin
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (T, H, Dh), k (T, Hkv, Dh), positions (T,)."""
+        cos_table, sin_table = self.tables(int(positions.max()) + 1 if positions.numel() else 1)
+        cos = cos_table[positions].to(q.dtype).unsqueeze(1)
+        sin = sin_table[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,48 @@
+"""The seam: every expensive operation of the model goes through one small ops object.
+
+The model calls ``ops.linear`` for each base projection (fused ``qkv``, ``o``, fused ``gate_up``, ``down``) and
+``ops.attention`` for each attention call. ``ComputeOps`` just computes. Recording (serving prefill) and replay
+(training) are other ops objects with the same two methods: they see every output the model computes, per layer
+and by name, which is exactly what activation reuse needs (see shared/design/activation-reuse.md, section 2).
+
+Names of the base projections as the seam sees them; LoRA targets use the per-projection names of PEFT
+(q_proj, k_proj, ...), which map onto these fused outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from alchemist.model.attention import AttentionMetadata, attend
+
+LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
+
+
+class Ops(Protocol):
+    def linear(
+        self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
+class ComputeOps:
+    """Plain computation: what serving decode and the recompute trainer use."""
+
+    def linear(
+        self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return attend(layer, q, k, v, meta).out
+
+
+COMPUTE = ComputeOps()

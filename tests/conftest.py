@@ -1,0 +1,15 @@
+"""Shared fixtures: tiny random Llama-family checkpoints saved as real HF directories, and the default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {v: make_tiny_hf_dir(root, v) for v in TINY_VARIANTS}
