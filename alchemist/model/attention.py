@@ -179,10 +179,10 @@ def attend(
         mask = None
         if seg.start:
             mask = bottom_right_causal_mask(seg.length, seg.start + seg.length, q.dtype, q.device)
-        o, l = sdpa(qs, ks, vs, is_causal=not seg.start, mask=mask, scale=scale, need_lse=meta.need_lse)
+        o, row_lse = sdpa(qs, ks, vs, is_causal=not seg.start, mask=mask, scale=scale, need_lse=meta.need_lse)
         out[rows] = o[0].transpose(0, 1)
         if lse is not None:
-            lse[rows] = l[0].transpose(0, 1)
+            lse[rows] = row_lse[0].transpose(0, 1)
     if meta.decode_rows:
         _decode_attention(layer, q, out, meta, scale)
     return AttentionResult(out, lse)

@@ -47,6 +47,6 @@ def _step(model, cache, seqs, slots, parts, got):
     meta = AttentionMetadata(segs, cache=cache)
     logits = model.logits(model(torch.cat(ids), torch.cat(pos), meta))
     off = 0
-    for i, start, n in parts:
+    for i, _, n in parts:
         got[i].append(logits[off : off + n])
         off += n
