@@ -1,0 +1,83 @@
+"""The `alchemist` command line: serve, generate, and the benchmarks (`alchemist bench ...`).
+
+Each subcommand registers its flags in a small function; heavy imports happen inside the handlers so that
+`alchemist --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _add_model_flags(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=dtype_default, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from alchemist.generate import generate_text
+
+    for delta in generate_text(args):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="answer one chat prompt (greedy unless --temperature > 0)")
+    _add_model_flags(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", default=None, help="system message (default: the chat template's own)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=_generate)
+
+
+def _bench_forward(args: argparse.Namespace) -> int:
+    from alchemist.bench.forward import main
+
+    return main(args)
+
+
+def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    bench = sub.add_parser("bench", help="benchmarks (each takes --json: one JSON object per table row)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    p = bsub.add_parser("forward", help="prefill speed, ours vs transformers on the same weights")
+    _add_model_flags(p, dtype_default="float32")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_forward)
+    return bsub
+
+
+# Subcommands register here; each adds its own parser.
+REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alchemist", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in REGISTRARS:
+        register(sub)
+    _register_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"alchemist: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
