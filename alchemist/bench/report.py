@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 

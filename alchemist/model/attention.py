@@ -90,6 +90,7 @@ class AttentionMetadata:
             self.offsets.append(total)
             total += seg.length
         self.num_tokens = total
+        self.max_position = max(s.start + s.length for s in self.segments) - 1
 
     @classmethod
     def single(cls, length: int, need_lse: bool = False) -> AttentionMetadata:

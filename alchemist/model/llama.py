@@ -18,7 +18,7 @@ from torch import nn
 
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.config import ModelConfig
-from alchemist.model.rope import RotaryEmbedding
+from alchemist.model.rope import RotaryEmbedding, Rotation, apply_rotary
 from alchemist.model.seam import COMPUTE, Ops
 
 
@@ -93,7 +93,7 @@ class Llama(nn.Module):
         return y
 
     def attention_inputs(
-        self, layer: int, h: torch.Tensor, positions: torch.Tensor, ops: Ops, adapter: Adapter | None
+        self, layer: int, h: torch.Tensor, rot: Rotation, ops: Ops, adapter: Adapter | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, d) -> q (T, H, Dh), k and v (T, Hkv, Dh), RoPE applied to q and k."""
         c = self.config
@@ -103,8 +103,7 @@ class Llama(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = self.rope(q, k, positions)
-        return q, k, v
+        return apply_rotary(q, rot), apply_rotary(k, rot), v
 
     def attention_output(
         self, layer: int, h: torch.Tensor, attn: torch.Tensor, ops: Ops, adapter: Adapter | None
@@ -121,12 +120,12 @@ class Llama(nn.Module):
         self,
         layer: int,
         h: torch.Tensor,
-        positions: torch.Tensor,
+        rot: Rotation,
         meta: AttentionMetadata,
         ops: Ops,
         adapter: Adapter | None,
     ) -> torch.Tensor:
-        q, k, v = self.attention_inputs(layer, h, positions, ops, adapter)
+        q, k, v = self.attention_inputs(layer, h, rot, ops, adapter)
         h = self.attention_output(layer, h, ops.attention(layer, q, k, v, meta), ops, adapter)
         return self.mlp(layer, h, ops, adapter)
 
@@ -142,8 +141,9 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """Flattened tokens (T,) at their absolute positions (T,) -> final hidden states (T, d), pre-norm."""
         h = F.embedding(input_ids, self.embed)
+        rot = self.rope(positions, h.dtype, meta.max_position)
         for layer in range(self.config.num_layers):
-            h = self.layer_forward(layer, h, positions, meta, ops, adapter)
+            h = self.layer_forward(layer, h, rot, meta, ops, adapter)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
