@@ -13,3 +13,16 @@ from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {v: make_tiny_hf_dir(root, v) for v in TINY_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, SmolLM2-135M-Instruct, in fp32 (the exactness reference), loaded once."""
+    from alchemist.model.loader import load_model
+
+    return load_model(None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    return smollm2.tokenizer
