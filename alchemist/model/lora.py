@@ -1,0 +1,132 @@
+"""LoRA adapters on the fused base projections, with PEFT's module names, scaling and initialisation.
+
+The model fuses q/k/v into ``qkv`` and gate/up into ``gate_up``; an adapter keeps one A matrix per fused group
+(the targeted parts' A stacked: one matmul for the down-projection) and one B per part. ``delta(layer, "qkv", x)``
+returns the concatenated per-part deltas (zeros for parts that are not targeted), scaled by alpha / r.
+
+Weights are fp32 masters; the delta is computed in the input's dtype. The on-disk format is PEFT's
+(``alchemist.model.peft_format``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from alchemist.model.config import ModelConfig
+
+# Fused seam name -> the PEFT target modules it holds, in row order of the fused weight.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+ALL_TARGETS = tuple(part for parts in FUSED_PARTS.values() for part in parts)
+PART_TO_FUSED = {part: fused for fused, parts in FUSED_PARTS.items() for part in parts}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = ALL_TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"lora r must be positive (got {self.r})")
+        unknown = set(self.target_modules) - set(ALL_TARGETS)
+        if unknown or not self.target_modules:
+            raise ValueError(f"lora target_modules must be a non-empty subset of {ALL_TARGETS} (got {unknown})")
+        if self.dropout != 0.0:
+            raise ValueError("lora dropout is not supported (exact replay needs a deterministic adapter)")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """PEFT module -> (in_features, out_features) of its base linear."""
+    d, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, i),
+        "up_proj": (d, i),
+        "down_proj": (i, d),
+    }
+
+
+class LoraAdapter(nn.Module):
+    """Per layer and fused group: ``A`` (parts*r, in) and one ``B`` (out, r) per targeted part."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: LoraConfig | None = None,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config or LoraConfig()
+        self.model_config = model_config
+        self.shapes = part_shapes(model_config)
+        self.version = 0
+        gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        r = self.config.r
+        self.A = nn.ParameterDict()
+        self.B = nn.ParameterDict()
+        for layer in range(model_config.num_layers):
+            for fused, parts in FUSED_PARTS.items():
+                targeted = self.targeted(fused)
+                if not targeted:
+                    continue
+                in_features = self.shapes[parts[0]][0]
+                a = torch.empty(len(targeted) * r, in_features)
+                for j in range(len(targeted)):  # PEFT: kaiming-uniform A per module, B zero
+                    nn.init.kaiming_uniform_(a[j * r : (j + 1) * r], a=math.sqrt(5), generator=gen)
+                self.A[f"{layer}_{fused}"] = nn.Parameter(a.to(device))
+                for part in targeted:
+                    self.B[f"{layer}_{part}"] = nn.Parameter(torch.zeros(self.shapes[part][1], r, device=device))
+
+    def targeted(self, fused: str) -> tuple[str, ...]:
+        return tuple(p for p in FUSED_PARTS[fused] if p in self.config.target_modules)
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out)."""
+        targeted = self.targeted(name)
+        if not targeted:
+            return None
+        r, scaling = self.config.r, self.config.scaling
+        xa = x @ self.A[f"{layer}_{name}"].to(x.dtype).t()  # (T, parts*r)
+        outs = []
+        for part in FUSED_PARTS[name]:
+            if part in targeted:
+                j = targeted.index(part)
+                outs.append((xa[:, j * r : (j + 1) * r] @ self.B[f"{layer}_{part}"].to(x.dtype).t()) * scaling)
+            else:
+                outs.append(x.new_zeros(x.shape[0], self.shapes[part][1]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    # --- per-module views, in PEFT's naming (for saving, loading and comparing gradients) ------------------------
+
+    def module_tensors(self, grads: bool = False) -> dict[tuple[int, str, str], torch.Tensor]:
+        """(layer, module, "A"|"B") -> the weight (or its gradient) of that PEFT module, as views."""
+        r = self.config.r
+        out: dict[tuple[int, str, str], torch.Tensor] = {}
+        for layer in range(self.model_config.num_layers):
+            for fused in FUSED_PARTS:
+                for j, part in enumerate(self.targeted(fused)):
+                    a, b = self.A[f"{layer}_{fused}"], self.B[f"{layer}_{part}"]
+                    if grads:
+                        a, b = a.grad, b.grad
+                    out[(layer, part, "A")] = None if a is None else a[j * r : (j + 1) * r]
+                    out[(layer, part, "B")] = b
+        return out

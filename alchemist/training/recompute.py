@@ -1,0 +1,28 @@
+"""The recompute path: what a separate trainer does, one forward over prompt + response and one backward.
+
+It is the reference the replay path is tested against, and the fallback when a sample has no usable record.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from alchemist.model.attention import AttentionMetadata
+from alchemist.model.llama import Adapter, Llama
+
+
+def response_loss(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the response tokens from the R hidden rows that predict them (positions P-1..P+R-2)."""
+    logits = model.logits(hidden).float()
+    return F.cross_entropy(logits, response_ids)
+
+
+def recompute_loss(
+    model: Llama, adapter: Adapter | None, prompt_ids: torch.Tensor, response_ids: torch.Tensor
+) -> torch.Tensor:
+    """Loss of one sample, computing the whole forward (the last response token is never an input)."""
+    ids = torch.cat([prompt_ids, response_ids[:-1]])
+    num_prompt = len(prompt_ids)
+    hidden = model(ids, torch.arange(len(ids), device=ids.device), AttentionMetadata.single(len(ids)), adapter=adapter)
+    return response_loss(model, hidden[num_prompt - 1 :], response_ids)
