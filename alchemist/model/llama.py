@@ -125,6 +125,7 @@ class Llama(nn.Module):
         ops: Ops,
         adapter: Adapter | None,
     ) -> torch.Tensor:
+        ops.layer_input(layer, h)
         q, k, v = self.attention_inputs(layer, h, rot, ops, adapter)
         h = self.attention_output(layer, h, ops.attention(layer, q, k, v, meta), ops, adapter)
         return self.mlp(layer, h, ops, adapter)

@@ -1,9 +1,11 @@
 """The seam: every expensive operation of the model goes through one small ops object.
 
-The model calls ``ops.linear`` for each base projection (fused ``qkv``, ``o``, fused ``gate_up``, ``down``) and
-``ops.attention`` for each attention call. ``ComputeOps`` just computes. Recording (serving prefill) and replay
-(training) are other ops objects with the same two methods: they see every output the model computes, per layer
-and by name, which is exactly what activation reuse needs (see shared/design/activation-reuse.md, section 2).
+The model calls ``ops.linear`` for each base projection (fused ``qkv``, ``o``, fused ``gate_up``, ``down``),
+``ops.attention`` for each attention call, and ``ops.layer_input`` with each layer's input hidden state (the
+layer walk of the replay trainer starts each layer from it). ``ComputeOps`` just computes. Recording (serving
+prefill) and replay (training) are other ops objects with the same methods: they see every output the model
+computes, per layer and by name, which is exactly what activation reuse needs (shared/design/activation-reuse.md,
+section 2).
 
 Names of the base projections as the seam sees them; LoRA targets use the per-projection names of PEFT
 (q_proj, k_proj, ...), which map onto these fused outputs.
@@ -22,6 +24,8 @@ LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
 
 class Ops(Protocol):
+    def layer_input(self, layer: int, h: torch.Tensor) -> None: ...
+
     def linear(
         self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
@@ -33,6 +37,9 @@ class Ops(Protocol):
 
 class ComputeOps:
     """Plain computation: what serving decode and the recompute trainer use."""
+
+    def layer_input(self, layer: int, h: torch.Tensor) -> None:
+        pass
 
     def linear(
         self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

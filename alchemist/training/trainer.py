@@ -1,0 +1,160 @@
+"""The trainer: one optimizer step of a LoRA adapter over a batch of samples, replaying records where it can.
+
+``Trainer.step`` reads as the story: fetch each sample's record -> replay it (or recompute the prompt) ->
+loss -> backward (accumulated over the batch) -> clip -> update -> bump the adapter version.
+
+A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
+while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from alchemist.activations.record import Record
+from alchemist.activations.store import ActivationStore
+from alchemist.model.llama import Llama
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.replay import replay_backward
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
+    replay: bool = True  # False: always recompute (the separate-trainer baseline)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive (got {self.lr})")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (got {self.max_staleness})")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm})")
+
+
+@dataclass
+class Sample:
+    """A prompt and the response to learn (served or corrected); ``record_id`` names the prompt's record."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    record_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids or not self.response_ids:
+            raise ValueError("a training sample needs a non-empty prompt and response")
+
+
+@dataclass
+class TrainerStats:
+    steps: int = 0
+    samples: int = 0
+    response_tokens: int = 0
+    replayed: int = 0
+    recomputed: int = 0
+    stale: int = 0  # records found but too old for the current adapter (recomputed)
+    missing: int = 0  # no record, or one that does not cover the prompt (recomputed)
+    staleness_used: list[int] = field(default_factory=list)  # versions behind, of each replayed record
+
+
+@dataclass
+class StepResult:
+    loss: float
+    num_samples: int
+    response_tokens: int
+    replayed: int
+    recomputed: int
+    adapter_version: int
+    step_s: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: Llama,
+        adapter: LoraAdapter,
+        store: ActivationStore | None = None,
+        config: TrainerConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.store = store
+        self.config = config or TrainerConfig()
+        c = self.config
+        self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        self.stats = TrainerStats()
+
+    def step(self, samples: list[Sample]) -> StepResult:
+        if not samples:
+            raise ValueError("a training step needs at least one sample")
+        t0 = time.perf_counter()
+        replayed = 0
+        total_loss = 0.0
+        for sample in samples:
+            loss, was_replayed = self.backward(sample, loss_scale=1.0 / len(samples))
+            replayed += was_replayed
+            total_loss += loss / len(samples)
+        self.update()
+        tokens = sum(len(s.response_ids) for s in samples)
+        self.stats.steps += 1
+        self.stats.samples += len(samples)
+        self.stats.response_tokens += tokens
+        return StepResult(
+            loss=total_loss,
+            num_samples=len(samples),
+            response_tokens=tokens,
+            replayed=replayed,
+            recomputed=len(samples) - replayed,
+            adapter_version=self.adapter.version,
+            step_s=time.perf_counter() - t0,
+        )
+
+    def backward(self, sample: Sample, loss_scale: float = 1.0) -> tuple[float, bool]:
+        """Accumulates one sample's scaled gradient; returns (its loss, whether it was replayed)."""
+        device = self.model.device
+        prompt = torch.tensor(sample.prompt_ids, device=device)
+        response = torch.tensor(sample.response_ids, device=device)
+        record = self.usable_record(sample)
+        if record is None:
+            self.stats.recomputed += 1
+            loss = recompute_loss(self.model, self.adapter, prompt, response)
+            (loss * loss_scale).backward()
+            return loss.item(), False
+        store, record_id = self.store, record.record_id
+        try:
+            loss_value = replay_backward(
+                self.model, self.adapter, lambda layer: store.get_layer(record_id, layer), prompt, response, loss_scale
+            )
+        finally:
+            store.release(record_id)
+        self.stats.replayed += 1
+        self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
+        return loss_value, True
+
+    def usable_record(self, sample: Sample) -> Record | None:
+        """The sample's record, pinned, if it covers the prompt and is fresh enough; else None (counted)."""
+        if not self.config.replay or self.store is None or sample.record_id is None:
+            return None
+        record = self.store.lookup(sample.record_id)
+        if record is None or not record.covers(sample.prompt_ids, len(sample.prompt_ids) - 1):
+            self.stats.missing += 1
+            return None
+        if self.adapter.version > record.adapter_version + self.config.max_staleness:
+            self.stats.stale += 1
+            return None
+        return record if self.store.pin(record.record_id) else None
+
+    def update(self) -> None:
+        if self.config.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.adapter.version += 1
