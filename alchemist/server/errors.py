@@ -1,0 +1,26 @@
+"""Exceptions the HTTP layer raises; ``alchemist.server.app`` maps each one to a status code in one table.
+
+They carry no HTTP knowledge. Anything else that is a ``ValueError`` (the engine's impossible-request errors,
+the tokenizer's message checks) is a 400 too, and the engine's QueueFullError a 429.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request we refuse; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(LookupError):
+    def __init__(self, model: str, served: list[str]):
+        super().__init__(f"The model {model!r} does not exist; this server serves {served}")
+        self.param = "model"
+
+
+class BodyTooLargeError(ValueError):
+    def __init__(self, limit_bytes: int):
+        super().__init__(f"Request body exceeds the limit of {limit_bytes} bytes (ServerConfig.max_body_bytes)")
