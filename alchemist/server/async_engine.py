@@ -1,0 +1,163 @@
+"""AsyncEngine: the synchronous ``LLMEngine`` driven by one background thread, streamed to asyncio callers.
+
+    stream = async_engine.generate(request_id, prompt_ids, params)   # admission errors raise here
+    async for out in stream: ...                                      # RequestOutput per step with new tokens
+
+One thread owns ``engine.step()``; it sleeps on a condition variable while there is no work (no busy spin).
+Each step's outputs go to the event loop in one ``call_soon_threadsafe`` call, which routes them to per-request
+asyncio queues. A stream that is closed before its request finished (client disconnect, cancelled task) aborts
+the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
+loop calls them directly.
+
+Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
+engine's QueueFullError (a 429) instead of letting it grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """engine.step() raised; the requests in flight at that moment fail with this."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the output marked finished."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str):
+        self.owner = owner
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()  # a CancelledError here leaves the request to aclose()
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running (idempotent)."""
+        if not self.finished:
+            self._finish()
+            self.owner.abort(self.request_id)
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.owner.streams.pop(self.request_id, None)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
+    ):
+        self.engine = engine
+        self.on_outputs = on_outputs  # called in the engine thread after each step (metrics)
+        self.streams: dict[str, RequestStream] = {}  # touched only on the event loop thread
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="alchemist-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.streams)
+
+    # --- requests (event loop thread) ---------------------------------------------------------------------------
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Admit a request and return its output stream. The engine's ValueError (a request it can never serve)
+        and QueueFullError raise here, before anything is streamed."""
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        stream = RequestStream(self, request_id)
+        self.engine.add_request(request_id, prompt_ids, params)  # raises before the stream is registered
+        self.streams[request_id] = stream
+        self._wake()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake()  # an abort may need a step to be processed; it also refreshes the stats
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is not None:  # None: aborted after the step began
+                stream.queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self.streams.items()):
+            stream.queue.put_nowait(error)
+            self.engine.abort(request_id)
+
+    # --- the step thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        while True:
+            with self._cond:
+                # The check and the wait hold the lock that _wake() takes, so a wake-up cannot slip in between.
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail the requests in flight, then carry on
+                logger.exception("engine step failed")
+                error = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+                self._call_soon(self._fail_all, error)
+                continue
+            if self.on_outputs is not None:
+                self.on_outputs(outputs)
+            if outputs:
+                self._call_soon(self._dispatch, outputs)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed during shutdown
+            pass

@@ -1,0 +1,91 @@
+"""Prometheus metrics for /metrics, named as vLLM names them with the prefix ``alchemist:`` instead of ``vllm:``.
+
+Latency histograms and finish reasons are fed from the engine thread after each step (``observe``). Gauges
+(running / waiting requests, KV-cache usage) and the engine's counters (prompt and generation tokens,
+preemptions) are read from ``LLMEngine.stats()`` when Prometheus scrapes, so they are current even while the
+engine sleeps. Each app owns its CollectorRegistry, so a process (tests) can build several.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from alchemist.engine import EngineStats, RequestOutput
+
+PREFIX = "alchemist:"
+# vLLM's buckets, extended at the slow end for a CPU.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, read_stats: Callable[[], EngineStats]):
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.read_stats()
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 1 = full.", s.kv_cache_usage),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = (  # exposed with the suffix _total
+            ("prompt_tokens", "Prompt tokens prefilled (recomputation not counted).", s.num_prompt_tokens),
+            ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+            ("num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, read_stats: Callable[[], EngineStats], registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", buckets=E2E_BUCKETS_S, registry=r
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from arrival to first schedule.",
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        r.register(_EngineStatsCollector(read_stats))
+
+    def observe(self, outputs: Sequence[RequestOutput]) -> None:
+        """Called with each step's outputs from the engine thread (prometheus_client is thread-safe)."""
+        for out in outputs:
+            if not out.finished:
+                continue
+            self.request_success.labels(finished_reason=out.finish_reason or "unknown").inc()
+            t = out.timings
+            if t is None:
+                continue
+            self.queue.observe(t.queue_s)
+            self.e2e.observe(t.e2e_s)
+            if out.output_token_ids:  # an aborted request may have none: no TTFT to speak of
+                self.ttft.observe(t.ttft_s)
+                self.tpot.observe(t.tpot_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
