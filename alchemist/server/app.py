@@ -1,0 +1,175 @@
+"""The FastAPI app: routes, the body-size guard, and the one table that turns exceptions into OpenAI errors.
+
+    app = create_app(EngineConfig(dtype="float32"), ServerConfig())    # loads the model and builds the engine
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every error, whoever raises it (pydantic, the service, the engine, the body guard), leaves through
+``error_response`` as ``{"error": {"message", "type", "param", "code"}}`` with the status of ERROR_MAP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from alchemist.config import EngineConfig, ServerConfig
+from alchemist.engine import LLMEngine, QueueFullError
+from alchemist.model.loader import load_model
+from alchemist.server.async_engine import AsyncEngine
+from alchemist.server.completions_registry import CompletionsRegistry
+from alchemist.server.errors import BodyTooLargeError, ModelNotFoundError
+from alchemist.server.metrics import ServerMetrics
+from alchemist.server.protocol import ErrorInfo, ErrorResponse
+from alchemist.server.routes import router
+from alchemist.server.service import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+# Exception class -> (HTTP status, OpenAI error type, code). The most specific class in an exception's MRO wins,
+# so the engine's and the tokenizer's ValueErrors (impossible requests) are 400s and anything unexpected a 500.
+ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
+    RequestValidationError: (400, "invalid_request_error", None),  # malformed JSON, wrong types, n > 1, ...
+    BodyTooLargeError: (413, "invalid_request_error", "request_too_large"),
+    ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
+    QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
+    ValueError: (400, "invalid_request_error", None),
+    Exception: (500, "internal_server_error", None),
+}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException):  # unknown route, wrong method
+        status, kind, code, param, message = exc.status_code, "invalid_request_error", None, None, str(exc.detail)
+    else:
+        status, kind, code = next(ERROR_MAP[c] for c in type(exc).__mro__ if c in ERROR_MAP)
+        message, param = _describe(exc)
+        if status >= 500:
+            logger.error("internal error", exc_info=exc)
+            message = f"internal error: {type(exc).__name__}: {exc}"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _describe(exc: BaseException) -> tuple[str, str | None]:
+    """(message, param) of an exception; pydantic's errors name the field by its location in the body."""
+    if isinstance(exc, RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    return str(exc), getattr(exc, "param", None)
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 to a body over ``max_body_bytes``: by its Content-Length, or by counting what arrives (chunked
+    uploads have no length). The body is read here in full, then replayed to the app; later receive() calls (the
+    disconnect watch of streams) pass through."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._reject(scope, receive, send, declared.isdigit())
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # a disconnect before the body ended
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await self._reject(scope, receive, send, True)
+                return
+            more = message.get("more_body", False)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
+        error = BodyTooLargeError(self.max_body_bytes) if too_large else ValueError("invalid Content-Length header")
+        await error_response(error)(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    async def replayed() -> Message:
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
+def build_app(
+    serving: OpenAIServing, async_engine: AsyncEngine, metrics: ServerMetrics, max_body_bytes: int
+) -> FastAPI:
+    """The app around ready parts; the engine thread runs for the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="alchemist", lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.include_router(router)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    for exc_class in (RequestValidationError, StarletteHTTPException, *ERROR_MAP):
+        app.add_exception_handler(exc_class, handle)
+    return app
+
+
+def served_model_names(server_config: ServerConfig, source: Path, model_arg: str | None) -> list[str]:
+    """The name responses carry first (--served-model-name, else the model's stem), then the path as given."""
+    names = [server_config.served_model_name or source.stem]
+    for alias in (model_arg, str(source)):
+        if alias and alias not in names:
+            names.append(alias)
+    return names
+
+
+def app_for_engine(engine: LLMEngine, names: list[str], server_config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(engine.stats)
+    async_engine = AsyncEngine(engine, on_outputs=metrics.observe)
+    registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
+    assert engine.config.max_model_len is not None
+    serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry)
+    app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
+    app.state.registry = registry  # for the feedback routes
+    return app
+
+
+def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
+    """Loads the model of ``engine_config`` and builds the app around a fresh engine."""
+    loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config)
+    return app_for_engine(engine, served_model_names(server_config, loaded.source, engine_config.model), server_config)
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    import uvicorn
+
+    app = create_app(engine_config, server_config)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")

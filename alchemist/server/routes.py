@@ -1,0 +1,67 @@
+"""The HTTP routes: parse, call the service, wrap the result. Errors are raised, and mapped in ``app.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from alchemist.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from alchemist.server.service import OpenAIServing
+
+router = APIRouter()
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody receives it
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    return _serving(request).models()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _respond(request, _serving(request).chat(body))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _respond(request, _serving(request).completion(body))
+
+
+async def _respond(request: Request, result: Awaitable[Any]) -> Response:
+    """A JSON body, or an SSE stream. A stream is aborted by Starlette's own disconnect watch (it cancels the
+    iterator); a non-streaming request is watched here, so that a client that gives up frees its slot too."""
+    task = asyncio.ensure_future(result)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()  # CancelledError inside the service closes the request's stream, which aborts it
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    watcher.cancel()
+    out = task.result()
+    if isinstance(out, AsyncIterator):
+        return StreamingResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(out.model_dump_json(), media_type="application/json")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,260 @@
+"""OpenAIServing: an OpenAI request -> prompt ids -> the engine -> a response, or an SSE stream of chunks.
+
+Checks that need the tokenizer or the context length happen here, before anything is streamed, so that a bad
+request gets a 400 and not a broken stream. Each finished completion is kept in the CompletionsRegistry under
+its response id, for feedback to find.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel
+
+from alchemist.engine.sequence import SamplingParams
+from alchemist.server import protocol as p
+from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
+from alchemist.server.errors import InvalidRequestError, ModelNotFoundError
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+@dataclass
+class Accumulator:
+    """What a request has produced so far, across its RequestOutputs."""
+
+    prompt_token_ids: list[int]
+    text_parts: list[str] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # engine TokenLogprobs, one per output token
+    finish_reason: str | None = None
+
+    def add(self, out: Any) -> None:
+        self.text_parts.append(out.new_text)
+        self.output_token_ids = list(out.output_token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def usage(self) -> p.UsageInfo:
+        return p.UsageInfo.of(len(self.prompt_token_ids), len(self.output_token_ids))
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        served_model_names: list[str],
+        max_model_len: int,
+        registry: CompletionsRegistry,
+        adapter_version: Callable[[], int] = lambda: 0,
+    ):
+        if not served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+        self.registry = registry
+        self.adapter_version = adapter_version
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry (the first served name)."""
+        return self.served_model_names[0]
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    # --- chat -----------------------------------------------------------------------------------------------
+
+    async def chat(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        self._check_model(req.model)
+        prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
+        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages")
+        if req.stream:
+            return self._chat_stream(req, request_id, stream, acc)
+        await self._drain(stream, acc)
+        self._register(request_id, acc, req)
+        choice = p.ChatCompletionChoice(
+            message=p.ChatCompletionMessage(content=acc.text),
+            logprobs=self._chat_logprobs(acc.logprobs, req.top_logprobs) if req.logprobs else None,
+            finish_reason=acc.finish_reason,
+        )
+        return p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=acc.usage())
+
+    async def _chat_stream(
+        self, req: p.ChatCompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
+    ) -> AsyncIterator[str]:
+        created = p.now_s()
+        chunk = lambda choices, usage=None: p.ChatCompletionChunk(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        try:
+            yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(role="assistant", content=""))]))
+            async for out in stream:
+                acc.add(out)
+                logprobs = self._chat_logprobs(out.logprobs, req.top_logprobs) if req.logprobs else None
+                if out.new_text or logprobs:
+                    delta = p.ChatDelta(content=out.new_text)
+                    yield sse(chunk([p.ChatCompletionStreamChoice(delta=delta, logprobs=logprobs)]))
+            self._register(request_id, acc, req)
+            yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(), finish_reason=acc.finish_reason)]))
+            if req.include_usage:
+                yield sse(chunk([], acc.usage()))
+        except EngineDeadError as e:  # the engine failed mid-stream; the status line is already sent
+            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="internal_server_error")))
+        finally:
+            await stream.aclose()  # a no-op when finished; aborts on disconnect or cancellation
+        yield SSE_DONE
+
+    # --- text completions -----------------------------------------------------------------------------------
+
+    async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
+        self._check_model(req.model)
+        prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
+        if req.stream:
+            return self._completion_stream(req, request_id, stream, acc)
+        await self._drain(stream, acc)
+        self._register(request_id, acc, req)
+        logprobs = self._completion_logprobs(acc.logprobs, 0) if req.logprobs is not None else None
+        choice = p.CompletionChoice(text=acc.text, logprobs=logprobs, finish_reason=acc.finish_reason)
+        return p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=acc.usage())
+
+    async def _completion_stream(
+        self, req: p.CompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
+    ) -> AsyncIterator[str]:
+        created = p.now_s()
+        chunk = lambda choices, usage=None: p.CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        try:
+            async for out in stream:
+                offset = len(acc.text)
+                acc.add(out)
+                logprobs = self._completion_logprobs(out.logprobs, offset) if req.logprobs is not None else None
+                if out.new_text or out.finished or logprobs:
+                    reason = acc.finish_reason if out.finished else None
+                    yield sse(chunk([p.CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=reason)]))
+            self._register(request_id, acc, req)
+            if req.include_usage:
+                yield sse(chunk([], acc.usage()))
+        except EngineDeadError as e:
+            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="internal_server_error")))
+        finally:
+            await stream.aclose()
+        yield SSE_DONE
+
+    # --- shared ---------------------------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.served_model_names:
+            raise ModelNotFoundError(model, self.served_model_names)
+
+    def _submit(
+        self, prefix: str, req: p.ChatCompletionRequest | p.CompletionRequest, prompt_ids: list[int], prompt_param: str
+    ) -> tuple[str, RequestStream, Accumulator]:
+        self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
+        params = SamplingParams(
+            max_tokens=req.max_new_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            seed=req.seed,
+            stop=list(req.stop or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs,
+            record=req.alchemist.record,
+        )
+        request_id = p.random_id(prefix)
+        stream = self.engine.generate(request_id, prompt_ids, params)
+        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids)
+
+    def _check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt is {n} tokens long, but the context is {self.max_model_len} tokens "
+                "(max_model_len) and must leave room for at least one output token",
+                param,
+            )
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the {n} prompt tokens exceeds the context of {self.max_model_len} "
+                f"tokens (max_model_len); ask for at most {self.max_model_len - n}",
+                "max_tokens",
+            )
+
+    async def _drain(self, stream: RequestStream, acc: Accumulator) -> None:
+        try:
+            async for out in stream:
+                acc.add(out)
+        finally:
+            await stream.aclose()
+
+    def _register(self, request_id: str, acc: Accumulator, req: p.SamplingRequest) -> None:
+        self.registry.add(
+            CompletionRecord(
+                id=request_id,
+                prompt_token_ids=acc.prompt_token_ids,
+                output_token_ids=acc.output_token_ids,
+                text=acc.text,
+                model=self.model_name,
+                adapter_version=self.adapter_version(),
+                finish_reason=acc.finish_reason,
+                created_s=time.time(),
+                recorded=req.alchemist.record,
+            )
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _top(self, entry: Any) -> p.TopLogprob:
+        token_id, logprob = entry
+        text = self.token_text(token_id)
+        return p.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def _chat_logprobs(self, logprobs: list[Any] | None, num_top: int | None) -> p.ChatLogprobs | None:
+        if not logprobs:
+            return None
+        content = []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            top = [self._top(entry) for entry in lp.top[: num_top or 0]]
+            content.append(p.TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, logprobs: list[Any] | None, text_offset: int) -> p.CompletionLogprobs | None:
+        if not logprobs:
+            return None
+        out = p.CompletionLogprobs()
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top})
+            out.text_offset.append(text_offset)
+            text_offset += len(text)
+        return out
