@@ -39,6 +39,49 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """EngineConfig fields; unset flags keep EngineConfig's defaults."""
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (KV-cache slots)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV block pool (default: every slot can fill)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (prefill chunk size)")
+    p.add_argument("--max-waiting", type=int, default=None, help="waiting requests beyond this get a 429")
+    p.add_argument("--compile", action="store_true", help="torch.compile the forward")
+
+
+def _engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily)
+    from alchemist.config import EngineConfig
+
+    fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
+    sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, compile=args.compile, **sizes)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from alchemist.config import ServerConfig
+    from alchemist.server.app import run_server
+
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+    )
+    run_server(_engine_config(args), server_config)
+    return 0
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    _add_model_flags(p)
+    _add_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's stem)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    p.set_defaults(func=_serve)
+
+
 def _bench_forward(args: argparse.Namespace) -> int:
     from alchemist.bench.forward import main
 
@@ -58,7 +101,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
 
 
 # Subcommands register here; each adds its own parser.
-REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate, _register_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
