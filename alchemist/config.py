@@ -1,0 +1,102 @@
+"""Alchemist's configuration tree: one dataclass per component, each validated when it is built.
+
+Bad values raise ``ValueError`` naming the field (the CLI maps its flags onto these fields one to one). Values
+that depend on the loaded model (``EngineConfig.max_model_len`` and ``num_kv_blocks`` when left at None) are
+filled in by ``EngineConfig.resolve`` once the model's config is known.
+
+    config = EngineConfig(max_num_seqs=32, dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# Without a user setting, the context is capped here even where the model allows more: the per-slot cache is
+# reserved for max_num_seqs x max_model_len tokens, and ShareGPT-like chats fit well inside it.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
+
+@dataclass
+class EngineConfig:
+    """The serving engine: model, numerics, and the sizes of the KV cache, the batch and the queue."""
+
+    model: str | None = None  # HF directory or .gguf file; None: the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"  # "auto": bf16 where this CPU/GPU runs it fast, else fp32
+    device: str = "auto"
+    max_num_seqs: int = 16  # KV-cache slots: sequences running at once
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+    block_size: int = 16  # tokens per KV block (the unit of cache accounting)
+    num_kv_blocks: int | None = None  # None: every slot can hold max_model_len; smaller forces preemption
+    max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
+    max_waiting: int = 256  # requests queued beyond this are refused (the server answers 429)
+    compile: bool = False  # torch.compile the forward (warm-up per batch bucket)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            self.model = str(self.model)
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {self.dtype!r})")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (got {self.device!r})")
+        _check_positive(
+            self,
+            "max_num_seqs",
+            "max_model_len",
+            "block_size",
+            "num_kv_blocks",
+            "max_num_batched_tokens",
+            "max_waiting",
+        )
+        # Every running sequence decodes one token per step: all of them must fit in one step's budget.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be a bool (got {self.compile!r})")
+
+    def resolve(self, max_position_embeddings: int) -> EngineConfig:
+        """A copy with the model-dependent defaults filled in, checked against the model's context length."""
+        max_model_len = self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({max_position_embeddings})"
+            )
+        blocks_per_slot = -(-max_model_len // self.block_size)
+        num_kv_blocks = self.num_kv_blocks or self.max_num_seqs * blocks_per_slot
+        return dataclasses.replace(self, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI-compatible HTTP server: where it listens, the model's public name, and its guards."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model file's or directory's stem
+    max_body_bytes: int = 1 << 20  # larger request bodies get a 413
+    max_completions_kept: int = 10_000  # finished completions kept by response id, for feedback
+    completion_ttl_s: float = 24 * 3600.0  # ... and for how long
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in 0..65535 (got {self.port!r})")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        _check_positive(self, "max_body_bytes", "max_completions_kept")
+        if not self.completion_ttl_s > 0:
+            raise ValueError(f"completion_ttl_s must be positive (got {self.completion_ttl_s!r})")
