@@ -1,0 +1,238 @@
+"""The serving engine: requests in, tokens out, one batched step at a time.
+
+    engine = LLMEngine.from_config(EngineConfig())               # or LLMEngine(model, tokenizer, config)
+    engine.add_request("r1", tokenizer.encode("Hello"), SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.new_text, out.finished)
+
+``step()`` is schedule -> run -> sample -> postprocess. Nothing here knows about HTTP.
+
+Threads: ``step()`` is meant to run in one background thread; ``add_request`` and ``abort`` may be called from
+any other thread at the same time. They only validate and put the operation on a pending queue (under a small
+lock), which ``step()`` drains before it schedules; ``abort`` additionally applies it at once when no step is in
+progress, so a caller that is not stepping sees the slot and blocks freed on return.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from alchemist.config import EngineConfig
+from alchemist.engine.block_manager import BlockManager
+from alchemist.engine.output import EngineStats, RequestOutput, RequestTimings
+from alchemist.engine.runner import ModelRunner
+from alchemist.engine.sampler import Sampler
+from alchemist.engine.scheduler import ScheduledBatch, Scheduler
+from alchemist.engine.sequence import SamplingParams, Sequence
+from alchemist.engine.stop import StopChecker
+from alchemist.model.llama import Llama
+from alchemist.model.loader import load_model
+from alchemist.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests already (the server answers 429)."""
+
+
+@dataclass
+class _Pending:
+    """Operations from other threads, applied at the start of the next step."""
+
+    adds: list[Sequence] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        """An engine over an already loaded model (``config.model``, ``dtype`` and ``device`` are then unused)."""
+        self.config = (config or EngineConfig()).resolve(model.config.max_position_embeddings)
+        c = self.config
+        assert c.max_model_len is not None and c.num_kv_blocks is not None
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        self.runner = ModelRunner(model, c)
+        self.sampler = Sampler()
+        self.stop_checker = StopChecker(tokenizer.eos_token_ids, c.max_model_len)
+        self._seqs: dict[str, Sequence] = {}  # every request not yet finished, by id (pending ones included)
+        self._pending = _Pending()
+        self._lock = threading.Lock()  # guards _seqs and _pending: held briefly, never across a forward
+        self._step_lock = threading.Lock()  # held while a step (or an abort applied at once) changes the queues
+        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_finished = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        return cls(loaded.model, loaded.tokenizer, config)
+
+    # --- requests (any thread) ------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request. ValueError (naming the field) if it can never run; QueueFullError when full."""
+        max_tokens = self._check_request(request_id, prompt_ids, params)
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            params,
+            max_tokens,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            arrival_s=time.monotonic(),
+            device=self.model.device,
+        )
+        with self._lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if len(self._pending.adds) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise QueueFullError(f"{self.config.max_waiting} requests are waiting already (max_waiting)")
+            self._seqs[request_id] = seq
+            self._pending.adds.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its slot and blocks; unknown or finished ids are ignored.
+
+        Its final RequestOutput (finish_reason "abort") comes with the next ``step()``.
+        """
+        with self._lock:
+            self._pending.aborts.append(request_id)
+        if self._step_lock.acquire(blocking=False):  # no step running: apply it now
+            try:
+                self._apply_pending()
+            finally:
+                self._step_lock.release()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._seqs or self._pending.aborts or self._aborted)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._pending.adds),
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_finished=self._num_finished,
+        )
+
+    # --- the loop (one thread) ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for each request that sampled a token, finished or was aborted."""
+        with self._step_lock:
+            self._apply_pending()
+            batch = self.scheduler.schedule(time.monotonic())
+            if batch.is_empty:
+                return self._take_aborted()
+            logits, sampling = self.runner.run(batch)
+            samples = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            return self._postprocess(batch, sampling, samples.token_ids, samples.logprobs)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Runs prompts to completion (offline use, tests, benchmarks); final outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            final.update((out.request_id, out) for out in self.step() if out.finished)
+        return [final[i] for i in ids]
+
+    # --- internals --------------------------------------------------------------------------------------------------
+
+    def _check_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validates a request against this engine; returns its effective max_tokens."""
+        c = self.config
+        assert c.max_model_len is not None and c.num_kv_blocks is not None
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string (got {request_id!r})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (got {type(params).__name__})")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt_ids must be token ids in 0..{vocab - 1}")
+        if len(prompt_ids) >= c.max_model_len:
+            raise ValueError(
+                f"prompt_ids has {len(prompt_ids)} tokens; max_model_len {c.max_model_len} leaves no room to generate"
+            )
+        max_tokens = params.max_tokens or c.max_model_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > c.max_model_len:
+            raise ValueError(
+                f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed max_model_len {c.max_model_len}"
+            )
+        # The last sampled token is never fed back, so the cache holds at most prompt + max_tokens - 1 tokens.
+        needed = self.block_manager.blocks_for(len(prompt_ids) + max_tokens - 1)
+        if needed > c.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens need {needed} KV blocks but num_kv_blocks is {c.num_kv_blocks}; "
+                "lower max_tokens or raise num_kv_blocks"
+            )
+        return max_tokens
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, _Pending()
+        for seq in pending.adds:
+            self.scheduler.add(seq)
+        now = time.monotonic()
+        for request_id in pending.aborts:
+            with self._lock:
+                seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                continue
+            self.scheduler.remove(seq)
+            seq.finish("abort", now)
+            self._aborted.append(self._output(seq))
+            self._num_finished += 1
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        return outputs
+
+    def _postprocess(
+        self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int], logprobs: list
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.advance(num)
+        outputs = self._take_aborted()
+        for seq, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
+            if seq.first_token_s is None:
+                self._num_prompt_tokens += seq.num_prompt_tokens
+            seq.append_token(token_id, lp, now)
+            self._num_generation_tokens += 1
+            reason = self.stop_checker.check(seq, token_id)
+            if reason is not None:
+                self.scheduler.remove(seq)
+                seq.finish(reason, now)
+                self._num_finished += 1
+                with self._lock:
+                    self._seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_tokens, new_logprobs = seq.take_new_tokens()
+        new_text = seq.take_new_text(self.stop_checker.hold_back(seq))
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            text=seq.text[: seq.num_text_sent],
+            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=seq.prompt_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=new_logprobs if seq.params.logprobs is not None else None,
+            timings=RequestTimings.of(seq) if seq.is_finished else None,
+        )

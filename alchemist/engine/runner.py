@@ -1,0 +1,80 @@
+"""Runs one scheduled batch through the model: the flattened inputs, the forward, the logits of sampling rows.
+
+The batch is laid out as the model expects it (``alchemist.model.attention``): all scheduled tokens end to end,
+one ``Segment`` per sequence (a decode token or a prefill chunk) pointing at the sequence's cache slot. The LM
+head runs only on rows whose next token is wanted (the last token of each sequence that has now computed all its
+tokens): on a 512-token prefill chunk that is one row of 49152 logits instead of 512.
+
+The runner owns the KV cache storage: ``max_num_seqs`` slots of ``max_model_len`` tokens, contiguous per slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alchemist.config import EngineConfig
+from alchemist.engine.scheduler import ScheduledBatch
+from alchemist.engine.sequence import Sequence
+from alchemist.model.attention import AttentionMetadata, KVCache, Segment
+from alchemist.model.llama import Llama
+from alchemist.model.seam import COMPUTE, Ops
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, config: EngineConfig) -> None:
+        assert config.max_model_len is not None, "pass a resolved EngineConfig"
+        self.model = model
+        c = model.config
+        self.cache = KVCache(
+            c.num_layers,
+            config.max_num_seqs,
+            config.max_model_len,
+            c.num_kv_heads,
+            c.head_dim,
+            model.dtype,
+            model.device,
+        )
+        self.forward = model.forward
+        if config.compile:
+            # dynamic=True: one graph for all token counts instead of a recompile per batch shape; the Python
+            # loops over segments inside attention stay as graph breaks.
+            self.forward = torch.compile(model.forward, dynamic=True)
+
+    def ops_for(self, batch: ScheduledBatch) -> Ops:
+        """The ops object for this batch's forward.
+
+        This is the activation-recording seam: when a prefill chunk of a request with ``params.record`` is in
+        the batch, a recording ops object goes here (it sees every projection and attention output, per layer,
+        and slices the recorded rows per request using the batch's segments). Until then, plain compute.
+        """
+        return COMPUTE
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Computes the batch, writing its keys/values into the cache.
+
+        Returns the logits ``(S, vocab)`` of the S sequences that sample this step, and those sequences in row
+        order. A prefill chunk that does not finish its prompt samples nothing.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        sample_rows: list[int] = []
+        sampling: list[Sequence] = []
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed_tokens
+            assert seq.slot is not None
+            ids.extend(seq.chunk(num))
+            positions.extend(range(start, start + num))
+            segments.append(Segment(slot=seq.slot, start=start, length=num))
+            if start + num == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(seq)
+        device = self.model.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (T,)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
+        meta = AttentionMetadata(segments, cache=self.cache)
+        hidden = self.forward(input_ids, pos, meta, self.ops_for(batch))  # (T, d)
+        if len(sample_rows) != len(ids):
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
+        return self.model.logits(hidden), sampling

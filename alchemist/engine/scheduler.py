@@ -1,0 +1,115 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Each step gets a budget of ``max_num_batched_tokens`` tokens and fills it in this order:
+
+1. every running sequence that is decoding (one token each), so decodes are never stalled by prefills;
+2. running sequences part-way through a prefill, as large a chunk as the budget leaves;
+3. waiting sequences, first come first served, while a slot, the blocks for their first chunk and budget remain.
+
+When the block pool cannot hold a running sequence's next tokens, the newest running sequence is preempted: its
+slot and blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt and
+outputs so far. The oldest sequence therefore always progresses, and any single request fits (the engine rejects
+one that could not fit alone), so the loop cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from alchemist.engine.block_manager import BlockManager
+from alchemist.engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``num_tokens[i]`` tokens of ``seqs[i]`` (decodes first, then prefill chunks)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or aborted sequence out of the queues, freeing its slot and blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self, now_s: float) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefill chunks
+        preempted: list[Sequence] = []
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decoding + prefilling:
+            if seq not in self.running:
+                continue  # preempted earlier in this loop
+            num = min(seq.num_uncomputed_tokens, budget)
+            if num == 0:
+                break
+            if not self._reserve(seq, num, chosen, preempted):
+                continue  # seq itself was the newest and got preempted
+            chosen[seq] = num
+            budget = self.max_num_batched_tokens - sum(chosen.values())
+        if not preempted:  # admitting now would only feed the next preemption
+            budget = self._admit(budget, chosen, now_s)
+        self.num_preemptions += len(preempted)
+        return ScheduledBatch(list(chosen), list(chosen.values()), preempted)
+
+    def _reserve(self, seq: Sequence, num: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
+        """Blocks for ``num`` more tokens of ``seq``, preempting the newest running sequences as needed."""
+        while not self.block_manager.can_append(seq, num):
+            victim = self.running[-1]
+            self._preempt(victim)
+            chosen.pop(victim, None)  # a victim scheduled earlier this step gives its tokens back
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.block_manager.append(seq, num)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.preempt()
+        # Victims are taken newest first, so pushing each on the front keeps the waiting queue oldest first.
+        self.waiting.appendleft(seq)
+
+    def _admit(self, budget: int, chosen: dict[Sequence, int], now_s: float) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num):
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.admit(self.block_manager.allocate(seq, num), now_s)
+            self.running.append(seq)
+            chosen[seq] = num
+            budget -= num
+        return budget
