@@ -1,0 +1,29 @@
+"""Engine test fixtures: the tiny random model, and a factory of engines over it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from alchemist.config import EngineConfig
+from alchemist.engine import LLMEngine
+from alchemist.model.llama import Llama
+from alchemist.model.loader import build_model
+from tests.engine.helpers import DEFAULT_EOS_ID, char_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dirs) -> Llama:
+    return build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+
+
+@pytest.fixture
+def make_engine(tiny_model) -> Callable[..., LLMEngine]:
+    """``make_engine(eos_id=5, **EngineConfig fields)``: a fresh engine (its own cache) over the tiny model."""
+
+    def make(eos_id: int = DEFAULT_EOS_ID, **fields) -> LLMEngine:
+        return LLMEngine(tiny_model, char_tokenizer(eos_id), EngineConfig(**fields))
+
+    return make
