@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
 
 from alchemist.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
-from alchemist.server.service import OpenAIServing
+from alchemist.server.service import EventStream, OpenAIServing
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody receives it
@@ -57,9 +58,21 @@ async def _respond(request: Request, result: Awaitable[Any]) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     watcher.cancel()
     out = task.result()
-    if isinstance(out, AsyncIterator):
-        return StreamingResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    if isinstance(out, EventStream):
+        return SSEResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(out.model_dump_json(), media_type="application/json")
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its EventStream however the response ends (done, client gone, server shutting down)."""
+
+    body_iterator: EventStream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def _disconnected(request: Request) -> None:

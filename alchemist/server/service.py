@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel
 
-from alchemist.engine.sequence import SamplingParams
+from alchemist.engine import RequestOutput, SamplingParams, TokenLogprobs
 from alchemist.server import protocol as p
 from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
@@ -35,24 +35,43 @@ class Accumulator:
     """What a request has produced so far, across its RequestOutputs."""
 
     prompt_token_ids: list[int]
-    text_parts: list[str] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)  # engine TokenLogprobs, one per output token
-    finish_reason: str | None = None
+    last: RequestOutput | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
 
-    def add(self, out: Any) -> None:
-        self.text_parts.append(out.new_text)
-        self.output_token_ids = list(out.output_token_ids)
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
         self.logprobs.extend(out.logprobs or [])
-        if out.finished:
-            self.finish_reason = out.finish_reason
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.last.text if self.last else ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.last.output_token_ids if self.last else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.last.finish_reason if self.last else None
 
     def usage(self) -> p.UsageInfo:
         return p.UsageInfo.of(len(self.prompt_token_ids), len(self.output_token_ids))
+
+
+class EventStream:
+    """The SSE events of one request. ``aclose()`` aborts the request even when iteration never started (a
+    client gone before the first event): closing an unstarted generator would not run its ``finally``."""
+
+    def __init__(self, events: AsyncGenerator[str, None], request: RequestStream):
+        self.events = events
+        self.request = request
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+        await self.request.aclose()
 
 
 class OpenAIServing:
@@ -85,12 +104,12 @@ class OpenAIServing:
 
     # --- chat -----------------------------------------------------------------------------------------------
 
-    async def chat(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | AsyncIterator[str]:
+    async def chat(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | EventStream:
         self._check_model(req.model)
         prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
         request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages")
         if req.stream:
-            return self._chat_stream(req, request_id, stream, acc)
+            return EventStream(self._chat_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
         self._register(request_id, acc, req)
         choice = p.ChatCompletionChoice(
@@ -102,7 +121,7 @@ class OpenAIServing:
 
     async def _chat_stream(
         self, req: p.ChatCompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         created = p.now_s()
         chunk = lambda choices, usage=None: p.ChatCompletionChunk(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
@@ -127,12 +146,12 @@ class OpenAIServing:
 
     # --- text completions -----------------------------------------------------------------------------------
 
-    async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
+    async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | EventStream:
         self._check_model(req.model)
         prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
         if req.stream:
-            return self._completion_stream(req, request_id, stream, acc)
+            return EventStream(self._completion_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
         self._register(request_id, acc, req)
         logprobs = self._completion_logprobs(acc.logprobs, 0) if req.logprobs is not None else None
@@ -141,7 +160,7 @@ class OpenAIServing:
 
     async def _completion_stream(
         self, req: p.CompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         created = p.now_s()
         chunk = lambda choices, usage=None: p.CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
