@@ -148,7 +148,9 @@ class OpenAIServing:
 
     async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | EventStream:
         self._check_model(req.model)
-        prompt_ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
+        prompt = req.prompt
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
         request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
         if req.stream:
             return EventStream(self._completion_stream(req, request_id, stream, acc), stream)

@@ -62,7 +62,7 @@ def test_completions_non_streaming_and_streaming(client, tokenizer):
     prompt = "The capital of France is"
     response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
     assert response.id.startswith("cmpl-") and response.object == "text_completion"
-    assert response.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert response.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=True))
     assert response.usage.completion_tokens == 8 and response.choices[0].finish_reason == "length"
     assert "Paris" in response.choices[0].text
     chunks = list(
@@ -81,7 +81,7 @@ def test_completions_non_streaming_and_streaming(client, tokenizer):
 
 
 def test_completion_from_token_ids(client, tokenizer):
-    ids = tokenizer.encode("The capital of France is")
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=True)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
     by_text = client.completions.create(
         model=MODEL_NAME, prompt="The capital of France is", max_tokens=6, temperature=0
