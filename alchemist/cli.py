@@ -97,7 +97,28 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_forward)
+    _register_bench_serve(bsub)
     return bsub
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from alchemist.bench.serving import main
+
+    return main(args)
+
+
+def _register_bench_serve(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("serve", help="serving throughput, TTFT, TPOT: engine, HTTP server, transformers")
+    _add_model_flags(p)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    p.add_argument("--systems", nargs="+", default=["transformers", "engine", "http"])
+    p.add_argument("--compile", action="store_true", help="torch.compile our forward (engine and server)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_serve)
 
 
 # Subcommands register here; each adds its own parser.
