@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from alchemist.model.attention import AttentionMetadata, Segment, attend
+from alchemist.model.attention import AttentionMetadata, Segment, attend, lse_dtype
 from alchemist.model.config import ModelConfig
 
 RECORDED = ("h", "qkv", "attn", "lse", "o", "gate_up", "down")
@@ -79,13 +79,16 @@ class RecordBuilder:
         self.adapter_version = adapter_version
         n = len(prompt_ids)
         widths = record_widths(config)
-        self.layers = [
-            {
-                name: torch.empty(n, width, dtype=torch.float32 if name == "lse" else dtype, device=device)
-                for name, width in widths.items()
-            }
-            for _ in range(config.num_layers)
-        ]
+        # Normal tensors even when built inside the engine's inference mode: the trainer backpropagates
+        # through values read from them, which inference tensors forbid.
+        with torch.inference_mode(False):
+            self.layers = [
+                {
+                    name: torch.empty(n, width, dtype=lse_dtype(dtype) if name == "lse" else dtype, device=device)
+                    for name, width in widths.items()
+                }
+                for _ in range(config.num_layers)
+            ]
         self.num_rows_written = 0  # rows 0..num_rows_written-1 are complete in every layer
 
     def write(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:

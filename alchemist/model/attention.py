@@ -60,7 +60,7 @@ class Segment:
 
 class AttentionResult(NamedTuple):
     out: torch.Tensor  # (T, H, D)
-    lse: torch.Tensor | None  # (T, H) fp32 log-sum-exp of each row's scores, when asked for
+    lse: torch.Tensor | None  # (T, H) fp32 (fp64 for fp64) log-sum-exp of each row's scores, when asked for
 
 
 @dataclass
@@ -122,6 +122,11 @@ class AttentionMetadata:
         return slots, positions, mask[:, None, None, :], lo, max_len
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp is kept at the attention kernel's accumulation precision: fp32 (fp64 for fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def bottom_right_causal_mask(num_q: int, num_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive mask where query i (the i-th of the last ``num_q`` positions) sees keys ``0 .. num_k-num_q+i``.
 
@@ -166,7 +171,7 @@ def attend(
     if cache is not None:
         _write_cache(layer, k, v, meta)
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if meta.need_lse else None
+    lse = torch.empty(q.shape[:2], dtype=lse_dtype(q.dtype), device=q.device) if meta.need_lse else None
     for seg, off in zip(meta.segments, meta.offsets, strict=True):
         if seg.is_decode:
             continue

@@ -29,10 +29,10 @@ class Adapter(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalize in fp32 and cast back before the weight, as the reference implementation does.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # Normalize in (at least) fp32 and cast back before the weight, as the reference implementation does.
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,8 @@ from alchemist.model.llama import Adapter, Llama
 
 def response_loss(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the response tokens from the R hidden rows that predict them (positions P-1..P+R-2)."""
-    logits = model.logits(hidden).float()
+    logits = model.logits(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: the loss in fp32
     return F.cross_entropy(logits, response_ids)
 
 

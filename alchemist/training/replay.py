@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from alchemist.model.attention import AttentionMetadata, bottom_right_causal_mask
+from alchemist.model.attention import AttentionMetadata, bottom_right_causal_mask, lse_dtype
 from alchemist.model.llama import Adapter, Llama
 from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import response_loss
@@ -69,7 +69,9 @@ class ReplayOps:
     """The seam in replay: the first ``num_rows`` recorded rows of one layer stand in for the base outputs."""
 
     def __init__(self, record_layer: dict[str, torch.Tensor], num_rows: int, dtype: torch.dtype) -> None:
-        self.rec = {name: t[:num_rows].to(dtype) if name != "lse" else t[:num_rows] for name, t in record_layer.items()}
+        self.rec = {
+            name: t[:num_rows].to(lse_dtype(dtype) if name == "lse" else dtype) for name, t in record_layer.items()
+        }
 
     def layer_input(self, layer: int, h: torch.Tensor) -> None:
         pass
