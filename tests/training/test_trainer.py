@@ -1,0 +1,81 @@
+"""Trainer: replay when a fresh record covers the prompt, recompute otherwise, and the counters say which."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alchemist.activations.store import ActivationStore
+from alchemist.model.loader import build_model
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.trainer import Sample, Trainer, TrainerConfig
+from tests.training.recording import record_alone
+from tests.training.test_replay import lora_with_nonzero_b
+
+
+@pytest.fixture
+def setup(tiny_dirs):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = lora_with_nonzero_b(model)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (40,), generator=g)
+    response = torch.randint(0, 256, (10,), generator=g)
+    store = ActivationStore(budget_bytes=1 << 30)
+    store.put(record_alone(model, adapter, prompt, record_id="resp-1", version=adapter.version))
+    sample = Sample(prompt.tolist(), response.tolist(), record_id="resp-1")
+    return model, adapter, store, sample
+
+
+def test_fresh_record_replays_then_stale_record_recomputes(setup):
+    model, adapter, store, sample = setup
+    trainer = Trainer(model, adapter, store, TrainerConfig(max_staleness=0))
+    first = trainer.step([sample])
+    assert (first.replayed, first.recomputed) == (1, 0)
+    assert adapter.version == 1
+    second = trainer.step([sample])  # the record saw version 0; the adapter is at 1 now
+    assert (second.replayed, second.recomputed) == (0, 1)
+    assert (trainer.stats.replayed, trainer.stats.recomputed, trainer.stats.stale) == (1, 1, 1)
+
+
+def test_staleness_bound_allows_lagging_records(setup):
+    model, adapter, store, sample = setup
+    trainer = Trainer(model, adapter, store, TrainerConfig(max_staleness=2))
+    results = [trainer.step([sample]) for _ in range(4)]
+    assert [r.replayed for r in results] == [1, 1, 1, 0]
+    assert trainer.stats.staleness_used == [0, 1, 2] and trainer.stats.stale == 1
+
+
+def test_missing_or_mismatched_record_recomputes(setup):
+    model, adapter, store, sample = setup
+    trainer = Trainer(model, adapter, store)
+    other_prompt = Sample([7, *sample.prompt_ids[1:]], sample.response_ids, record_id="resp-1")
+    unknown = Sample(sample.prompt_ids, sample.response_ids, record_id="evicted")
+    result = trainer.step([other_prompt, unknown])
+    assert (result.replayed, result.recomputed) == (0, 2)
+    assert trainer.stats.missing == 2 and store.stats.misses == 1
+
+
+def test_replay_step_equals_recompute_step(setup):
+    """One optimizer step on replayed gradients lands on the same weights as one on recomputed gradients."""
+    model, adapter, store, sample = setup
+    import copy
+
+    twin = copy.deepcopy(adapter)
+    Trainer(model, adapter, store).step([sample])
+    Trainer(model, twin, None).step([sample])
+    for (name, a), b in zip(adapter.named_parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), name
+
+
+def test_training_lowers_the_sample_loss(setup):
+    model, adapter, store, sample = setup
+    prompt, response = torch.tensor(sample.prompt_ids), torch.tensor(sample.response_ids)
+    with torch.no_grad():
+        before = recompute_loss(model, adapter, prompt, response).item()
+    trainer = Trainer(model, adapter, store, TrainerConfig(lr=1e-2, max_staleness=100))
+    for _ in range(5):
+        trainer.step([sample])
+    with torch.no_grad():
+        after = recompute_loss(model, adapter, prompt, response).item()
+    assert trainer.stats.replayed == 5
+    assert after < before - 0.5
