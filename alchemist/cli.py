@@ -98,7 +98,25 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_forward)
     _register_bench_serve(bsub)
+    _register_bench_train(bsub)
     return bsub
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from alchemist.bench.training import main
+
+    return main(args)
+
+
+def _register_bench_train(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("train", help="one LoRA step: recompute vs replay vs transformers+PEFT; memory; recording")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--shapes", nargs="+", default=None, help="PxR pairs, e.g. 512x128 (default: 128..2048 x 32..512)")
+    p.add_argument("--record-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-peft", action="store_true", help="skip the transformers + PEFT baseline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_train)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

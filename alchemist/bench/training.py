@@ -1,0 +1,147 @@
+"""`alchemist bench train`: one LoRA training step, recompute vs replay (and transformers + PEFT), per shape.
+
+For each (P prompt tokens, R response tokens) on the model (default SmolLM2-135M-Instruct):
+- step time (forward + backward + AdamW) of the recompute path, the replay path, and transformers + PEFT;
+- the measured bound: T_recompute / (T_recompute - T_prefill), where T_prefill (the prompt's forward, what replay
+  can skip) is timed as a serving prefill of the P tokens; and how much of it replay reaches;
+- transient peak memory of each step (VmHWM above the RSS before the step; see the design note, section 10);
+- recorded bytes per token vs KV-cache bytes per token, and prefill time with and without recording.
+All modes are timed interleaved in one process; medians of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from alchemist.activations.record import RecordBuilder, RecordingOps, record_bytes_per_token
+from alchemist.bench.report import interleaved_medians, print_rows
+from alchemist.model.attention import AttentionMetadata
+from alchemist.model.loader import build_model, hf_dir_for
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.replay import replay_backward
+
+DEFAULT_SHAPES = [(p, r) for p in (128, 512, 1024, 2048) for r in (32, 128, 512)]
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def transient_peak_mib(fn) -> float:
+    """Peak RSS above the RSS before ``fn`` (needs MALLOC_MMAP_THRESHOLD_ so that freed buffers leave RSS)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - before) / 1024
+
+
+def _reexec_with_malloc_threshold() -> None:
+    # glibc keeps freed large buffers mapped unless told otherwise: RSS would not track live memory.
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, "-m", "alchemist.cli", *sys.argv[1:]])
+
+
+def _peft_model(hf_dir: Path, adapter: LoraAdapter):
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    cfg = adapter.config
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules), lora_dropout=0.0)
+    return peft.get_peft_model(base, lora)
+
+
+def run_shape(model, hf_dir, num_prompt: int, num_response: int, args, peft_model) -> dict:
+    g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
+    prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g)
+    response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
+    adapter = LoraAdapter(model.config, seed=0)
+    record_dtype = getattr(torch, args.record_dtype)
+
+    @torch.inference_mode()
+    def prefill(record_as: torch.dtype | None = None):
+        meta = AttentionMetadata.single(num_prompt, need_lse=record_as is not None)
+        ops = None
+        if record_as is not None:
+            builder = RecordBuilder("bench", prompt.tolist(), 0, model.config, dtype=record_as)
+            ops = RecordingOps(meta, {0: builder})
+        model(prompt, torch.arange(num_prompt), meta, **({"ops": ops} if ops else {}), adapter=adapter)
+        if ops is not None:
+            ops.finish()
+            return builder.build()
+
+    record = prefill(record_dtype)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=1e-5)
+
+    def step_recompute():
+        recompute_loss(model, adapter, prompt, response).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step_replay():
+        replay_backward(model, adapter, lambda layer: record.layers[layer], prompt, response)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fns = {"recompute": step_recompute, "replay": step_replay, "prefill": prefill}
+    fns["prefill_rec_bf16"] = lambda: prefill(torch.bfloat16)
+    if peft_model is not None:
+        ids = torch.cat([prompt, response])[None]
+        labels = ids.clone()
+        labels[:, :num_prompt] = -100
+        peft_opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-5)
+
+        def step_peft():
+            peft_model(input_ids=ids, labels=labels).loss.backward()
+            peft_opt.step()
+            peft_opt.zero_grad(set_to_none=True)
+
+        fns["peft"] = step_peft
+    t = interleaved_medians(fns, repeats=args.repeats)
+    bound = t["recompute"] / (t["recompute"] - t["prefill"])
+    speedup = t["recompute"] / t["replay"]
+    row = {
+        "P": num_prompt,
+        "R": num_response,
+        "recompute_s": t["recompute"],
+        "replay_s": t["replay"],
+        "speedup": speedup,
+        "bound": bound,
+        "of_bound_pct": 100 * (speedup - 1) / (bound - 1) if bound > 1 else float("nan"),
+        "peft_s": t.get("peft", float("nan")),
+        "peak_recompute_mib": transient_peak_mib(step_recompute),
+        "peak_replay_mib": transient_peak_mib(step_replay),
+        "peak_peft_mib": transient_peak_mib(fns["peft"]) if "peft" in fns else float("nan"),
+        "record_kib_per_tok": record_bytes_per_token(model.config, record_dtype) / 1024,
+        "kv_kib_per_tok": 2 * model.config.num_layers * model.config.kv_size * record_dtype.itemsize / 1024,
+        "prefill_s": t["prefill"],
+        "prefill_rec_bf16_s": t["prefill_rec_bf16"],
+        "rec_overhead_pct": 100 * (t["prefill_rec_bf16"] / t["prefill"] - 1),
+    }
+    return row
+
+
+def main(args: argparse.Namespace) -> int:
+    _reexec_with_malloc_threshold()
+    hf_dir = hf_dir_for(args.model)
+    model = build_model(hf_dir, torch.float32)
+    peft_model = None if args.no_peft else _peft_model(hf_dir, LoraAdapter(model.config, seed=0))
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
+    rows = []
+    for num_prompt, num_response in shapes:
+        rows.append(run_shape(model, hf_dir, num_prompt, num_response, args, peft_model))
+        print_rows(rows[-1:], as_json=True, out=sys.stderr)  # progress: a full run takes a while
+    print_rows(rows, args.json)
+    return 0
