@@ -54,7 +54,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from alchemist.config import EngineConfig
+from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
 from alchemist.engine.sequence import Sequence
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
-from alchemist.model.llama import Llama
+from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.seam import COMPUTE, Ops
 
 
@@ -34,11 +35,12 @@ class ModelRunner:
             model.dtype,
             model.device,
         )
-        self.forward = model.forward
-        if config.compile:
-            # dynamic=True: one graph for all token counts instead of a recompile per batch shape; the Python
-            # loops over segments inside attention stay as graph breaks.
-            self.forward = torch.compile(model.forward, dynamic=True)
+        # The base ops: oneDNN-packed bf16 linears where they apply (same outputs, faster), else plain compute.
+        self.ops: Ops = COMPUTE
+        self._packed_lm_head: torch.Tensor | None = None
+        if packed_linear_supported(model):
+            self.ops = PackedLinearOps(model)
+            self._packed_lm_head = pack(model.lm_head)
 
     def ops_for(self, batch: ScheduledBatch) -> Ops:
         """The ops object for this batch's forward.
@@ -47,7 +49,7 @@ class ModelRunner:
         the batch, a recording ops object goes here (it sees every projection and attention output, per layer,
         and slices the recorded rows per request using the batch's segments). Until then, plain compute.
         """
-        return COMPUTE
+        return self.ops
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
@@ -74,7 +76,14 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
         meta = AttentionMetadata(segments, cache=self.cache)
-        hidden = self.forward(input_ids, pos, meta, self.ops_for(batch))  # (T, d)
+        hidden = self.model(input_ids, pos, meta, self.ops_for(batch))  # (T, d)
         if len(sample_rows) != len(ids):
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
-        return self.model.logits(hidden), sampling
+        return self.logits(hidden), sampling
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.logits`` (final norm, LM head), with the packed LM head where the fast path applies."""
+        if self._packed_lm_head is None:
+            return self.model.logits(hidden)
+        normed = rms_norm(hidden, self.model.norm, self.model.config.rms_norm_eps)
+        return packed_linear(normed, self._packed_lm_head, None)

@@ -1,0 +1,41 @@
+"""The packed bf16 fast path computes what the plain path computes: the model's hidden states and logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alchemist.config import EngineConfig
+from alchemist.engine import LLMEngine, SamplingParams
+from alchemist.engine.packed_ops import PackedLinearOps, packed_linear_supported
+from alchemist.engine.runner import ModelRunner
+from alchemist.model.attention import AttentionMetadata
+from alchemist.model.loader import build_model
+from tests.engine.helpers import char_tokenizer, random_prompts
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_dirs):
+    model = build_model(tiny_dirs["qwen2-bias"], torch.bfloat16)  # q/k/v bias: the packed linear's bias path
+    if not packed_linear_supported(model):
+        pytest.fail("oneDNN is unavailable: the packed path cannot be checked on this build of torch")
+    return model
+
+
+def test_packed_forward_and_lm_head_equal_plain(bf16_model):
+    model = bf16_model
+    ids = torch.tensor(random_prompts([37], seed=11)[0])
+    meta = AttentionMetadata.single(len(ids))
+    with torch.inference_mode():
+        plain = model(ids, torch.arange(len(ids)), meta)
+        packed = model(ids, torch.arange(len(ids)), meta, PackedLinearOps(model))
+        runner = ModelRunner(model, EngineConfig(max_num_seqs=1).resolve(model.config.max_position_embeddings))
+        torch.testing.assert_close(packed, plain, rtol=0, atol=0)
+        torch.testing.assert_close(runner.logits(packed), model.logits(plain), rtol=0, atol=0)
+    assert isinstance(runner.ops, PackedLinearOps)
+
+
+def test_bf16_engine_generates(bf16_model):
+    engine = LLMEngine(bf16_model, char_tokenizer(), EngineConfig(max_num_batched_tokens=16))
+    outs = engine.generate(random_prompts([5, 30]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [8, 8]
