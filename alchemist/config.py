@@ -41,7 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: every slot can hold max_model_len; smaller forces preemption
     max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
     max_waiting: int = 256  # requests queued beyond this are refused (the server answers 429)
-    compile: bool = False  # torch.compile the forward (warm-up per batch bucket)
+    compile: bool = False  # torch.compile the forward: not supported yet (raises), see __post_init__
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -67,6 +67,10 @@ class EngineConfig:
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool (got {self.compile!r})")
+        if self.compile:
+            # Refused rather than ignored: the forward's attention metadata changes every step, so a compiled
+            # forward recompiles every step; a decode path with static shapes is needed (docs/architecture.md).
+            raise ValueError("compile=True is not supported yet; serve eager (bf16 uses packed oneDNN linears)")
 
     def resolve(self, max_position_embeddings: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in, checked against the model's context length."""

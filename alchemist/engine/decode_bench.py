@@ -53,7 +53,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -65,7 +64,6 @@ def main() -> None:
         max_num_seqs=max(args.batch),
         # Room for the decode steps taken while the rest of the batch is still prefilling, and the timed ones.
         max_model_len=args.context + args.steps + 16 + max(args.batch) * args.context // 512,
-        compile=args.compile,
     )
     engine = LLMEngine.from_config(config)
     print(f"model dtype {engine.model.dtype}, threads {torch.get_num_threads()}, context {args.context}")

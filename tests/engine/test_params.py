@@ -53,6 +53,7 @@ def test_sampling_params_normalise():
         ("max_num_batched_tokens", 2.5),
         ("max_waiting", 0),
         ("compile", "yes"),
+        ("compile", True),  # not supported yet: refused, not ignored
     ],
 )
 def test_bad_engine_config(field, value):
