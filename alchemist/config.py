@@ -85,6 +85,33 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
 
 
+RECORD_POLICIES = ("none", "requested", "sample", "all")
+RECORD_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class RecordConfig:
+    """Prefill activation recording and the activation store that keeps the records for training."""
+
+    policy: str = "requested"  # none | requested (requests that ask) | sample (a fraction, plus those) | all
+    sample_fraction: float = 0.0  # with policy "sample"
+    dtype: str = "bfloat16"  # storage dtype; float32 makes replay exact (bf16 costs ~1% gradient error)
+    store_budget_bytes: int = 2 << 30  # the store evicts least recently used records beyond this
+    ttl_s: float = 3600.0  # records older than this are dropped
+
+    def __post_init__(self) -> None:
+        if self.policy not in RECORD_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(RECORD_POLICIES)} (got {self.policy!r})")
+        if not 0.0 <= self.sample_fraction <= 1.0:
+            raise ValueError(f"sample_fraction must be in [0, 1] (got {self.sample_fraction!r})")
+        if self.dtype not in RECORD_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(RECORD_DTYPES)} (got {self.dtype!r})")
+        if not isinstance(self.store_budget_bytes, int) or self.store_budget_bytes < 0:
+            raise ValueError(f"store_budget_bytes must be a non-negative integer (got {self.store_budget_bytes!r})")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive (got {self.ttl_s!r})")
+
+
 @dataclass
 class ServerConfig:
     """The OpenAI-compatible HTTP server: where it listens, the model's public name, and its guards."""

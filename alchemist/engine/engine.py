@@ -20,7 +20,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from alchemist.config import EngineConfig
+from alchemist.activations.recorder import Recorder
+from alchemist.activations.store import ActivationStore
+from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine.block_manager import BlockManager
 from alchemist.engine.output import EngineStats, RequestOutput, RequestTimings
 from alchemist.engine.runner import ModelRunner
@@ -46,8 +48,17 @@ class _Pending:
 
 
 class LLMEngine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
-        """An engine over an already loaded model (``config.model``, ``dtype`` and ``device`` are then unused)."""
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        record_config: RecordConfig | None = None,
+    ) -> None:
+        """An engine over an already loaded model (``config.model``, ``dtype`` and ``device`` are then unused).
+
+        With a ``record_config`` whose policy is not "none", prompts are recorded into ``self.store``.
+        """
         self.config = (config or EngineConfig()).resolve(model.config.max_position_embeddings)
         c = self.config
         assert c.max_model_len is not None and c.num_kv_blocks is not None
@@ -55,7 +66,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        self.runner = ModelRunner(model, c)
+        rc = record_config or RecordConfig(policy="none")
+        self.store = ActivationStore(rc.store_budget_bytes, rc.ttl_s)
+        self.recorder = None if rc.policy == "none" else Recorder(rc, self.store, model.config, model.device)
+        self.runner = ModelRunner(model, c, self.recorder)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer.eos_token_ids, c.max_model_len)
         self._seqs: dict[str, Sequence] = {}  # every request not yet finished, by id (pending ones included)
@@ -68,9 +82,9 @@ class LLMEngine:
         self._num_finished = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, record_config: RecordConfig | None = None) -> LLMEngine:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        return cls(loaded.model, loaded.tokenizer, config)
+        return cls(loaded.model, loaded.tokenizer, config, record_config)
 
     # --- requests (any thread) ------------------------------------------------------------------------------------
 
@@ -86,6 +100,7 @@ class LLMEngine:
             arrival_s=time.monotonic(),
             device=self.model.device,
         )
+        seq.record = self.recorder is not None and self.recorder.wants(params.record)
         with self._lock:
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -191,6 +206,8 @@ class LLMEngine:
             if seq is None:
                 continue
             self.scheduler.remove(seq)
+            if self.recorder is not None:
+                self.recorder.drop(request_id)
             seq.finish("abort", now)
             self._aborted.append(self._output(seq))
             self._num_finished += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from alchemist.activations.recorder import Recorder
 from alchemist.config import EngineConfig
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
@@ -22,9 +23,11 @@ from alchemist.model.seam import COMPUTE, Ops
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, config: EngineConfig) -> None:
+    def __init__(self, model: Llama, config: EngineConfig, recorder: Recorder | None = None) -> None:
         assert config.max_model_len is not None, "pass a resolved EngineConfig"
         self.model = model
+        self.recorder = recorder
+        self.adapter_version = 0  # of the adapter serving now; records carry it
         c = model.config
         self.cache = KVCache(
             c.num_layers,
@@ -42,14 +45,14 @@ class ModelRunner:
             self.ops = PackedLinearOps(model)
             self._packed_lm_head = pack(model.lm_head)
 
-    def ops_for(self, batch: ScheduledBatch) -> Ops:
-        """The ops object for this batch's forward.
-
-        This is the activation-recording seam: when a prefill chunk of a request with ``params.record`` is in
-        the batch, a recording ops object goes here (it sees every projection and attention output, per layer,
-        and slices the recorded rows per request using the batch's segments). Until then, plain compute.
-        """
-        return self.ops
+    def ops_for(self, batch: ScheduledBatch, meta: AttentionMetadata) -> Ops:
+        """The ops object for this batch's forward: recording ops when a prompt chunk of a recorded request is in
+        the batch (they see every projection and attention output, per layer, and slice each recorded request's
+        rows out of the batch by its segment), else plain compute. Decode rows are never recorded."""
+        if self.recorder is None:
+            return self.ops
+        chunks = [(seq.request_id, seq.prompt_token_ids, seq.record) for seq in batch.seqs]
+        return self.recorder.ops_for(meta, chunks, self.adapter_version, self.ops)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
@@ -76,7 +79,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
         meta = AttentionMetadata(segments, cache=self.cache)
-        hidden = self.model(input_ids, pos, meta, self.ops_for(batch))  # (T, d)
+        ops = self.ops_for(batch, meta)
+        hidden = self.model(input_ids, pos, meta, ops)  # (T, d)
+        if self.recorder is not None:
+            self.recorder.after_forward(ops)
         if len(sample_rows) != len(ids):
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
         return self.logits(hidden), sampling

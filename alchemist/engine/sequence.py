@@ -37,7 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
-    record: bool = False  # record prefill activations for training (activation reuse; not used yet)
+    record: bool = False  # ask for this prompt's prefill activations to be recorded for training
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -116,6 +116,7 @@ class Sequence:
         self.slot: int | None = None
         self.block_ids: list[int] = []  # owned by the BlockManager
         self.num_computed_tokens = 0
+        self.record = False  # record the prompt's prefill activations (the engine's recording policy decides)
         self.finish_reason: str | None = None
         # Sampling state: one generator per request so its draws do not depend on its batch neighbours.
         self.generator: torch.Generator | None = None
