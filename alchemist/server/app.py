@@ -10,6 +10,8 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -150,26 +152,59 @@ def served_model_names(server_config: ServerConfig, source: Path, model_arg: str
     return names
 
 
-def app_for_engine(engine: LLMEngine, names: list[str], server_config: ServerConfig) -> FastAPI:
+def app_for_engine(
+    engine: LLMEngine, names: list[str], server_config: ServerConfig, own_step_thread: bool = True
+) -> FastAPI:
+    """The app around ``engine``. With ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()``
+    (see ``run_server``)."""
     metrics = ServerMetrics(engine.stats)
-    async_engine = AsyncEngine(engine, on_outputs=metrics.observe)
+    async_engine = AsyncEngine(engine, on_outputs=metrics.observe, own_step_thread=own_step_thread)
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
+    app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     return app
 
 
-def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
+def create_app(engine_config: EngineConfig, server_config: ServerConfig, own_step_thread: bool = True) -> FastAPI:
     """Loads the model of ``engine_config`` and builds the app around a fresh engine."""
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config)
-    return app_for_engine(engine, served_model_names(server_config, loaded.source, engine_config.model), server_config)
+    names = served_model_names(server_config, loaded.source, engine_config.model)
+    return app_for_engine(engine, names, server_config, own_step_thread)
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM: the engine steps in this (main) thread, uvicorn runs in a second one.
+
+    Why not the other way round: see the Note in ``alchemist.server.async_engine`` (torch ops from a thread other
+    than the one that loaded the model ran at one-thread speed).
+    """
     import uvicorn
 
-    app = create_app(engine_config, server_config)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")
+    assert threading.current_thread() is threading.main_thread(), "run_server steps the engine in the main thread"
+    app = create_app(engine_config, server_config, own_step_thread=False)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")
+    server = uvicorn.Server(config)  # outside the main thread it installs no signal handlers: ours do
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True  # uvicorn drains, then the app's lifespan shuts the AsyncEngine down
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # however uvicorn ends (also a port already in use), the step loop must end too
+            async_engine.shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    async_engine: AsyncEngine = app.state.async_engine
+    http = threading.Thread(target=serve_http, name="uvicorn")
+    http.start()
+    try:
+        async_engine.run_steps()
+    finally:
+        server.should_exit = True
+        http.join()

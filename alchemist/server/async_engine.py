@@ -1,9 +1,11 @@
-"""AsyncEngine: the synchronous ``LLMEngine`` driven by one background thread, streamed to asyncio callers.
+"""AsyncEngine: the synchronous ``LLMEngine`` stepped by one thread, streamed to asyncio callers.
 
     stream = async_engine.generate(request_id, prompt_ids, params)   # admission errors raise here
     async for out in stream: ...                                      # RequestOutput per step with new tokens
 
-One thread owns ``engine.step()``; it sleeps on a condition variable while there is no work (no busy spin).
+One thread owns ``engine.step()`` (``run_steps``); it sleeps on a condition variable while there is no work (no
+busy spin). That is a thread of its own by default, or the caller's: ``alchemist serve`` steps in the main thread
+and runs the event loop in a second one, because of the Note below.
 Each step's outputs go to the event loop in one ``call_soon_threadsafe`` call, which routes them to per-request
 asyncio queues. A stream that is closed before its request finished (client disconnect, cancelled task) aborts
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
@@ -11,6 +13,11 @@ loop calls them directly.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
+
+Note: [OpenMP and the stepping thread] torch's CPU ops parallelize with OpenMP. Once the main thread has run
+parallel regions (loading the model does), ops issued from any other thread ran at one-thread speed on the 2-core
+target: a (1, 576) x (576, 3072) bf16 linear took 120 us from the main thread and 230-270 us from another, and
+the engine's decode TPOT went from 29 ms to 49 ms. Stepping in the thread that loaded the model avoids it.
 """
 
 from __future__ import annotations
@@ -69,9 +76,12 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
+        own_step_thread: bool = True,
     ):
         self.engine = engine
-        self.on_outputs = on_outputs  # called in the engine thread after each step (metrics)
+        self.on_outputs = on_outputs  # called in the stepping thread after each step (metrics)
+        # False: the caller runs run_steps() in a thread of its choosing (the main thread; see the module note).
+        self.own_step_thread = own_step_thread
         self.streams: dict[str, RequestStream] = {}  # touched only on the event loop thread
         self._cond = threading.Condition()
         self._stopped = False
@@ -81,13 +91,15 @@ class AsyncEngine:
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the step thread; call from the event loop that will consume the streams."""
+        """Bind to the running event loop (call it from there: the app's lifespan), and start the step thread
+        unless the caller runs ``run_steps`` itself."""
         self._loop = asyncio.get_running_loop()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="alchemist-engine", daemon=True)
-        self._thread.start()
+        if self.own_step_thread:
+            self._thread = threading.Thread(target=self.run_steps, name="alchemist-engine", daemon=True)
+            self._thread.start()
 
     def shutdown(self) -> None:
+        """Make ``run_steps`` return (after the step in progress), and join the step thread if it is ours."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
@@ -104,7 +116,7 @@ class AsyncEngine:
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request and return its output stream. The engine's ValueError (a request it can never serve)
         and QueueFullError raise here, before anything is streamed."""
-        if self._thread is None:
+        if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
         stream = RequestStream(self, request_id)
         self.engine.add_request(request_id, prompt_ids, params)  # raises before the stream is registered
@@ -132,10 +144,10 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
             self.engine.abort(request_id)
 
-    # --- the step thread ----------------------------------------------------------------------------------------
+    # --- the stepping thread -------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        assert self._loop is not None
+    def run_steps(self) -> None:
+        """Step the engine while it has work, sleep while it has none; return after ``shutdown()``."""
         while True:
             with self._cond:
                 # The check and the wait hold the lock that _wake() takes, so a wake-up cannot slip in between.
