@@ -12,6 +12,12 @@ Threads: ``step()`` is meant to run in one background thread; ``add_request`` an
 any other thread at the same time. They only validate and put the operation on a pending queue (under a small
 lock), which ``step()`` drains before it schedules; ``abort`` additionally applies it at once when no step is in
 progress, so a caller that is not stepping sees the slot and blocks freed on return.
+
+Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
+model), and run no torch work in other threads. On this 2-core CPU, stepping in a second thread made a batch-8
+decode 1.6x slower (128 vs 208 tokens/s): each thread that runs OpenMP regions gets its own team, and with more
+OpenMP threads than cores libgomp stops spin-waiting, so every one of the ~500 parallel regions per step pays
+a wake-up (docs/architecture.md).
 """
 
 from __future__ import annotations
