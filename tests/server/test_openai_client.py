@@ -136,3 +136,10 @@ def test_concurrent_requests_get_what_they_get_alone(client):
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: chat(client, p, max_tokens=12).choices[0].message.content, prompts))
     assert together == alone
+
+
+def test_the_model_path_is_accepted_as_the_model_name(client):
+    from alchemist.model.gguf import default_gguf_path
+
+    response = client.chat.completions.create(model=str(default_gguf_path()), messages=QUESTION, max_tokens=2)
+    assert response.model == MODEL_NAME  # responses carry the served name
