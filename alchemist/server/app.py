@@ -1,7 +1,7 @@
 """The FastAPI app: routes, the body-size guard, and the one table that turns exceptions into OpenAI errors.
 
-    app = create_app(EngineConfig(dtype="float32"), ServerConfig())    # loads the model and builds the engine
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    run_server(EngineConfig(), ServerConfig(port=8000))    # what `alchemist serve` does: engine in the main thread
+    app = create_app(EngineConfig(), ServerConfig())       # or an app that steps in a thread of its own (tests)
 
 Every error, whoever raises it (pydantic, the service, the engine, the body guard), leaves through
 ``error_response`` as ``{"error": {"message", "type", "param", "code"}}`` with the status of ERROR_MAP.
