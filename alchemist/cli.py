@@ -67,14 +67,34 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
     )
-    run_server(_engine_config(args), server_config)
+    run_server(_engine_config(args), server_config, _record_config(args))
     return 0
+
+
+def _add_record_flags(p: argparse.ArgumentParser) -> None:
+    """RecordConfig fields: which prompts' prefill activations are kept for training."""
+    p.add_argument("--record-policy", default="requested", choices=["none", "requested", "sample", "all"])
+    p.add_argument("--record-fraction", type=float, default=0.0, help="with --record-policy sample")
+    p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--record-budget-mb", type=int, default=2048, help="activation store budget")
+
+
+def _record_config(args: argparse.Namespace):  # -> RecordConfig (imported lazily)
+    from alchemist.config import RecordConfig
+
+    return RecordConfig(
+        policy=args.record_policy,
+        sample_fraction=args.record_fraction,
+        dtype=args.record_dtype,
+        store_budget_bytes=args.record_budget_mb << 20,
+    )
 
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     _add_model_flags(p)
     _add_engine_flags(p)
+    _add_record_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's stem)")

@@ -141,6 +141,9 @@ class LLMEngine:
             num_generation_tokens=self._num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_finished=self._num_finished,
+            activation_bytes=self.store.stats.bytes_held,
+            activation_records=self.store.stats.records,
+            num_recorded=self.recorder.num_recorded if self.recorder is not None else 0,
         )
 
     # --- the loop (one thread) ------------------------------------------------------------------------------------

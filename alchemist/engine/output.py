@@ -58,3 +58,6 @@ class EngineStats:
     num_generation_tokens: int  # tokens sampled
     num_preemptions: int
     num_finished: int  # requests finished (any reason, aborts included)
+    activation_bytes: int = 0  # bytes of recorded activations held by the store
+    activation_records: int = 0  # records held by the store
+    num_recorded: int = 0  # prompt records completed and stored

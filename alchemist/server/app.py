@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from alchemist.config import EngineConfig, ServerConfig
+from alchemist.config import EngineConfig, RecordConfig, ServerConfig
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.model.loader import load_model
 from alchemist.server.async_engine import AsyncEngine
@@ -168,15 +168,23 @@ def app_for_engine(
     return app
 
 
-def create_app(engine_config: EngineConfig, server_config: ServerConfig, own_step_thread: bool = True) -> FastAPI:
-    """Loads the model of ``engine_config`` and builds the app around a fresh engine."""
+def create_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    own_step_thread: bool = True,
+    record_config: RecordConfig | None = None,
+) -> FastAPI:
+    """Loads the model of ``engine_config`` and builds the app around a fresh engine (recording per
+    ``record_config``: by default, prompts of requests that ask, ``{"alchemist": {"record": true}}``)."""
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config or RecordConfig())
     names = served_model_names(server_config, loaded.source, engine_config.model)
     return app_for_engine(engine, names, server_config, own_step_thread)
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_server(
+    engine_config: EngineConfig, server_config: ServerConfig, record_config: RecordConfig | None = None
+) -> None:
     """Serve until SIGINT/SIGTERM: the engine steps in this (main) thread, uvicorn runs in a second one.
 
     Why not the other way round: see the Note in ``alchemist.server.async_engine`` (torch ops from a thread other
@@ -185,7 +193,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     import uvicorn
 
     assert threading.current_thread() is threading.main_thread(), "run_server steps the engine in the main thread"
-    app = create_app(engine_config, server_config, own_step_thread=False)
+    app = create_app(engine_config, server_config, own_step_thread=False, record_config=record_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")
     server = uvicorn.Server(config)  # outside the main thread it installs no signal handlers: ours do
 

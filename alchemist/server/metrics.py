@@ -33,6 +33,8 @@ class _EngineStatsCollector(Collector):
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).", s.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 1 = full.", s.kv_cache_usage),
+            ("activation_store_bytes", "Bytes of recorded prefill activations held for training.", s.activation_bytes),
+            ("activation_store_records", "Recorded prompts held for training.", s.activation_records),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -40,6 +42,7 @@ class _EngineStatsCollector(Collector):
             ("prompt_tokens", "Prompt tokens prefilled (recomputation not counted).", s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
             ("num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions),
+            ("recorded_prompts", "Prompt activation records completed and stored.", s.num_recorded),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -124,10 +124,15 @@ def test_seed_makes_sampling_deterministic(client):
     assert len(others | {first}) > 1  # the seed matters
 
 
-def test_extra_fields_top_k_and_alchemist_record(client):
+def test_extra_fields_top_k_and_alchemist_record(client, server):
+    recorded_before = server.metrics().get("alchemist:recorded_prompts_total", 0.0)
     response = chat(client, max_tokens=4, extra_body={"top_k": 1, "alchemist": {"record": True}}, temperature=1.0)
     greedy = chat(client, max_tokens=4)
     assert response.choices[0].message.content == greedy.choices[0].message.content  # top_k=1 is greedy
+    # Only the request that asked was recorded (the server's default policy is "requested").
+    metrics = server.metrics()
+    assert metrics["alchemist:recorded_prompts_total"] == recorded_before + 1
+    assert metrics["alchemist:activation_store_records"] >= 1 and metrics["alchemist:activation_store_bytes"] > 0
 
 
 def test_concurrent_requests_get_what_they_get_alone(client):
