@@ -4,7 +4,8 @@ For each (P prompt tokens, R response tokens) on the model (default SmolLM2-135M
 - step time (forward + backward + AdamW) of the recompute path, the replay path, and transformers + PEFT;
 - the measured bound: T_recompute / (T_recompute - T_prefill), where T_prefill (the prompt's forward, what replay
   can skip) is timed as a serving prefill of the P tokens; and how much of it replay reaches;
-- transient peak memory of each step (VmHWM above the RSS before the step; see the design note, section 10);
+- transient peak memory of each step (VmHWM above the RSS before the step, in a fresh process; design note,
+  section 10);
 - recorded bytes per token vs KV-cache bytes per token, and prefill time with and without recording.
 All modes are timed interleaved in one process; medians of --repeats.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from alchemist.bench.report import interleaved_medians, print_rows
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
+from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import replay_backward
 
@@ -46,11 +50,29 @@ def transient_peak_mib(fn) -> float:
     return (_rss_kib("VmHWM") - before) / 1024
 
 
-def _reexec_with_malloc_threshold() -> None:
-    # glibc keeps freed large buffers mapped unless told otherwise: RSS would not track live memory.
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, "-m", "alchemist.cli", *sys.argv[1:]])
+def peak_in_subprocess(mode: str, num_prompt: int, num_response: int, model: str | None, record_dtype: str) -> float:
+    """Transient peak memory of one step of ``mode``, measured in a fresh process.
+
+    There glibc is told to return freed large buffers (MALLOC_MMAP_THRESHOLD_), so that RSS tracks live memory
+    (design note, section 10). Timing runs without it: unmapping every freed buffer slows the steps down.
+    """
+    code = (
+        "import sys, json; from alchemist.bench.training import memory_probe; "
+        "print(json.dumps(memory_probe(*json.loads(sys.argv[1]))))"
+    )
+    arg = json.dumps([mode, num_prompt, num_response, model, record_dtype])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, "-c", code, arg], env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def memory_probe(mode: str, num_prompt: int, num_response: int, model: str | None, record_dtype: str) -> float:
+    hf_dir = hf_dir_for(model)
+    base = build_model(hf_dir, torch.float32)
+    peft_model = _peft_model(hf_dir, LoraAdapter(base.config, seed=0)) if mode == "peft" else None
+    steps = make_steps(base, num_prompt, num_response, getattr(torch, record_dtype), peft_model)
+    steps[mode]()  # warm-up: optimizer state and one-time allocations are not transient
+    return transient_peak_mib(steps[mode])
 
 
 def _peft_model(hf_dir: Path, adapter: LoraAdapter):
@@ -63,22 +85,22 @@ def _peft_model(hf_dir: Path, adapter: LoraAdapter):
     return peft.get_peft_model(base, lora)
 
 
-def run_shape(model, hf_dir, num_prompt: int, num_response: int, args, peft_model) -> dict:
+def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dtype, peft_model=None) -> dict:
+    """The timed functions of one shape: training steps (forward + backward + AdamW) and prefills."""
     g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
     prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g)
     response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
     adapter = LoraAdapter(model.config, seed=0)
-    record_dtype = getattr(torch, args.record_dtype)
 
     @torch.inference_mode()
     def prefill(record_as: torch.dtype | None = None):
         meta = AttentionMetadata.single(num_prompt, need_lse=record_as is not None)
-        ops = None
+        ops = COMPUTE
         if record_as is not None:
             builder = RecordBuilder("bench", prompt.tolist(), 0, model.config, dtype=record_as)
             ops = RecordingOps(meta, {0: builder})
-        model(prompt, torch.arange(num_prompt), meta, **({"ops": ops} if ops else {}), adapter=adapter)
-        if ops is not None:
+        model(prompt, torch.arange(num_prompt), meta, ops, adapter)
+        if record_as is not None:
             ops.finish()
             return builder.build()
 
@@ -95,8 +117,8 @@ def run_shape(model, hf_dir, num_prompt: int, num_response: int, args, peft_mode
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    fns = {"recompute": step_recompute, "replay": step_replay, "prefill": prefill}
-    fns["prefill_rec_bf16"] = lambda: prefill(torch.bfloat16)
+    steps = {"recompute": step_recompute, "replay": step_replay, "prefill": prefill}
+    steps["prefill_rec_bf16"] = lambda: prefill(torch.bfloat16)
     if peft_model is not None:
         ids = torch.cat([prompt, response])[None]
         labels = ids.clone()
@@ -108,11 +130,20 @@ def run_shape(model, hf_dir, num_prompt: int, num_response: int, args, peft_mode
             peft_opt.step()
             peft_opt.zero_grad(set_to_none=True)
 
-        fns["peft"] = step_peft
-    t = interleaved_medians(fns, repeats=args.repeats)
+        steps["peft"] = step_peft
+    return steps
+
+
+def run_shape(model, num_prompt: int, num_response: int, args, peft_model) -> dict:
+    record_dtype = getattr(torch, args.record_dtype)
+    t = interleaved_medians(make_steps(model, num_prompt, num_response, record_dtype, peft_model), args.repeats)
     bound = t["recompute"] / (t["recompute"] - t["prefill"])
     speedup = t["recompute"] / t["replay"]
-    row = {
+    peak = {
+        mode: peak_in_subprocess(mode, num_prompt, num_response, args.model, args.record_dtype)
+        for mode in ("recompute", "replay", *(("peft",) if peft_model is not None else ()))
+    }
+    return {
         "P": num_prompt,
         "R": num_response,
         "recompute_s": t["recompute"],
@@ -121,27 +152,25 @@ def run_shape(model, hf_dir, num_prompt: int, num_response: int, args, peft_mode
         "bound": bound,
         "of_bound_pct": 100 * (speedup - 1) / (bound - 1) if bound > 1 else float("nan"),
         "peft_s": t.get("peft", float("nan")),
-        "peak_recompute_mib": transient_peak_mib(step_recompute),
-        "peak_replay_mib": transient_peak_mib(step_replay),
-        "peak_peft_mib": transient_peak_mib(fns["peft"]) if "peft" in fns else float("nan"),
+        "peak_recompute_mib": peak["recompute"],
+        "peak_replay_mib": peak["replay"],
+        "peak_peft_mib": peak.get("peft", float("nan")),
         "record_kib_per_tok": record_bytes_per_token(model.config, record_dtype) / 1024,
         "kv_kib_per_tok": 2 * model.config.num_layers * model.config.kv_size * record_dtype.itemsize / 1024,
         "prefill_s": t["prefill"],
         "prefill_rec_bf16_s": t["prefill_rec_bf16"],
         "rec_overhead_pct": 100 * (t["prefill_rec_bf16"] / t["prefill"] - 1),
     }
-    return row
 
 
 def main(args: argparse.Namespace) -> int:
-    _reexec_with_malloc_threshold()
     hf_dir = hf_dir_for(args.model)
     model = build_model(hf_dir, torch.float32)
     peft_model = None if args.no_peft else _peft_model(hf_dir, LoraAdapter(model.config, seed=0))
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
     rows = []
     for num_prompt, num_response in shapes:
-        rows.append(run_shape(model, hf_dir, num_prompt, num_response, args, peft_model))
+        rows.append(run_shape(model, num_prompt, num_response, args, peft_model))
         print_rows(rows[-1:], as_json=True, out=sys.stderr)  # progress: a full run takes a while
     print_rows(rows, args.json)
     return 0

@@ -105,12 +105,13 @@ class LoraAdapter(nn.Module):
         if not targeted:
             return None
         r, scaling = self.config.r, self.config.scaling
-        xa = x @ self.A[f"{layer}_{name}"].to(x.dtype).t()  # (T, parts*r)
+        # Scaling the (T, parts*r) down-projection rather than each (T, out) delta: one small elementwise pass.
+        xa = (x @ self.A[f"{layer}_{name}"].to(x.dtype).t()) * scaling  # (T, parts*r)
         outs = []
         for part in FUSED_PARTS[name]:
             if part in targeted:
                 j = targeted.index(part)
-                outs.append((xa[:, j * r : (j + 1) * r] @ self.B[f"{layer}_{part}"].to(x.dtype).t()) * scaling)
+                outs.append(xa[:, j * r : (j + 1) * r] @ self.B[f"{layer}_{part}"].to(x.dtype).t())
             else:
                 outs.append(x.new_zeros(x.shape[0], self.shapes[part][1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

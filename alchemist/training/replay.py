@@ -65,6 +65,40 @@ class ReplayAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class MaskedAttention(torch.autograd.Function):
+    """Attention of the live rows over [prompt ; live] keys with an additive mask, through the flash kernel in
+    both directions (SDPA with a float mask and autograd falls back to the unfused math path on CPU, which
+    materialises and saves the whole score matrix). Shapes (1, heads, n, Dh)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale: float):  # type: ignore[override]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale
+        )
+        return dq, dk, dv, None, None
+
+
+def live_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q (R, H, Dh) over k, v (n+R, Hkv, Dh) with the bottom-right causal ``mask`` -> (R, H, Dh)."""
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    if q.device.type == "cpu":
+        out = MaskedAttention.apply(qs, ks, vs, mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class ReplayOps:
     """The seam in replay: the first ``num_rows`` recorded rows of one layer stand in for the base outputs."""
 
@@ -121,10 +155,7 @@ def replay_backward(
         q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
         if n:
             k, v = torch.cat([leaves[-1][0], k]), torch.cat([leaves[-1][1], v])
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-            enable_gqa=q.shape[1] != k.shape[1],
-        ).transpose(0, 1)
+        attn = live_attention(q, k, v, mask)
         h = model.mlp(layer, model.attention_output(layer, h, attn, COMPUTE, adapter), COMPUTE, adapter)
     loss = response_loss(model, h, response_ids)
     (loss * loss_scale).backward()
