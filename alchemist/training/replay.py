@@ -65,37 +65,54 @@ class ReplayAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class MaskedAttention(torch.autograd.Function):
-    """Attention of the live rows over [prompt ; live] keys with an additive mask, through the flash kernel in
-    both directions (SDPA with a float mask and autograd falls back to the unfused math path on CPU, which
-    materialises and saves the whole score matrix). Shapes (1, heads, n, Dh)."""
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class LiveAttention(torch.autograd.Function):
+    """The live rows' attention, split over two key sets and merged by log-sum-exp: the prompt's keys (all
+    visible: no mask) and the live rows' own keys (square and causal, so the kernel skips the blocks above the
+    diagonal). One masked call over the concatenation would compute every block and copy K/V into it.
+
+    The backward runs the flash backward once per key set with the *merged* output and lse: it recomputes each
+    probability as exp(score - lse) and uses rowsum(dout * out), both of which are those of the whole softmax,
+    so the two calls give exactly the gradients of one attention over all keys. Shapes (1, heads, rows, Dh).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale: float):  # type: ignore[override]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+    def forward(ctx, q, k_prompt, v_prompt, k_live, v_live, scale: float):  # type: ignore[override]
+        out_p, lse_p = _flash(q, k_prompt, v_prompt, 0.0, False, scale=scale)
+        out_l, lse_l = _flash(q, k_live, v_live, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_p, lse_l)
+        out = (lse_p - lse).exp().unsqueeze(-1).to(q.dtype) * out_p + (lse_l - lse).exp().unsqueeze(-1).to(
+            q.dtype
+        ) * out_l
+        ctx.save_for_backward(q, k_prompt, v_prompt, k_live, v_live, out, lse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale
-        )
-        return dq, dk, dv, None, None
+        q, k_prompt, v_prompt, k_live, v_live, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq_p, dk_p, dv_p = _flash_backward(grad_out, q, k_prompt, v_prompt, out, lse, 0.0, False, scale=ctx.scale)
+        dq_l, dk_l, dv_l = _flash_backward(grad_out, q, k_live, v_live, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_p + dq_l, dk_p, dv_p, dk_l, dv_l, None
 
 
-def live_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q (R, H, Dh) over k, v (n+R, Hkv, Dh) with the bottom-right causal ``mask`` -> (R, H, Dh)."""
-    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+def live_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prompt: torch.Tensor, v_prompt: torch.Tensor
+) -> torch.Tensor:
+    """q, k, v (R, heads, Dh) of the live rows; k_prompt, v_prompt (n, Hkv, Dh) -> (R, H, Dh)."""
+    to4d = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
     scale = q.shape[-1] ** -0.5
     if q.device.type == "cpu":
-        out = MaskedAttention.apply(qs, ks, vs, mask, scale)
-    else:
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = LiveAttention.apply(to4d(q), to4d(k_prompt), to4d(v_prompt), to4d(k), to4d(v), scale)
+    else:  # CUDA: one masked SDPA over [prompt ; live] keys
+        num_q, num_k = q.shape[0], k_prompt.shape[0] + k.shape[0]
+        mask = bottom_right_causal_mask(num_q, num_k, q.dtype, q.device)
+        k, v = torch.cat([k_prompt, k]), torch.cat([v_prompt, v])
+        out = F.scaled_dot_product_attention(to4d(q), to4d(k), to4d(v), attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -139,7 +156,6 @@ def replay_backward(
     live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
     rot_live = model.rope(torch.arange(n, n + len(live_ids), device=device), dtype)
     rot_prompt = model.rope(torch.arange(n, device=device), dtype)
-    mask = bottom_right_causal_mask(len(live_ids), n + len(live_ids), dtype, device)
     meta = AttentionMetadata.single(max(n, 1))  # unused by ReplayOps; the seam wants one
 
     # 1. Live stream forward, with each layer's prompt K/V as leaves.
@@ -154,8 +170,11 @@ def replay_backward(
             leaves.append((k_p.requires_grad_(), v_p.requires_grad_()))
         q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
         if n:
-            k, v = torch.cat([leaves[-1][0], k]), torch.cat([leaves[-1][1], v])
-        attn = live_attention(q, k, v, mask)
+            attn = live_attention(q, k, v, *leaves[-1])
+        else:  # a one-token prompt: the live rows are the whole sequence
+            attn = F.scaled_dot_product_attention(
+                *(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            ).transpose(0, 1)
         h = model.mlp(layer, model.attention_output(layer, h, attn, COMPUTE, adapter), COMPUTE, adapter)
     loss = response_loss(model, h, response_ids)
     (loss * loss_scale).backward()
