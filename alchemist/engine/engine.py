@@ -8,7 +8,7 @@
 
 ``step()`` is schedule -> run -> sample -> postprocess. Nothing here knows about HTTP.
 
-Threads: ``step()`` is meant to run in one background thread; ``add_request`` and ``abort`` may be called from
+Threads: ``step()`` runs in one thread (see below: the main one); ``add_request`` and ``abort`` may be called from
 any other thread at the same time. They only validate and put the operation on a pending queue (under a small
 lock), which ``step()`` drains before it schedules; ``abort`` additionally applies it at once when no step is in
 progress, so a caller that is not stepping sees the slot and blocks freed on return.
