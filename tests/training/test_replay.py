@@ -39,6 +39,11 @@ def replay_grads(model, adapter, record, prompt, response):
     return loss, grads_of(adapter)
 
 
+def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All gradients as one fp64 vector (the whole-gradient comparisons)."""
+    return torch.cat([t.flatten().double() for t in grads.values()])
+
+
 def max_rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Worst relative L2 error over tensors; a tensor whose reference is exactly zero must be zero too."""
     assert a.keys() == b.keys()
@@ -119,7 +124,6 @@ def test_replay_equals_recompute_smollm2(smollm2, smollm2_fp64, chat_sample, pre
     ref32, got32 = grads[torch.float32]
     ref64, got64 = grads[torch.float64]
     assert max_rel_l2(ref64, got64) <= 1e-10
-    flat = lambda g: torch.cat([t.flatten().double() for t in g.values()])  # noqa: E731
     assert ((flat(ref32) - flat(got32)).norm() / flat(ref32).norm()).item() <= 1e-5
     ratios = []
     for name, exact in ref64.items():
@@ -138,7 +142,6 @@ def test_bf16_record_gradient_deviation_is_bounded(smollm2, chat_sample):
     prompt, response = chat_sample
     _, fp32 = replay_grads(model, adapter, record_alone(model, adapter, prompt, torch.float32), prompt, response)
     _, bf16 = replay_grads(model, adapter, record_alone(model, adapter, prompt, torch.bfloat16), prompt, response)
-    flat = lambda g: torch.cat([t.flatten() for t in g.values()])  # noqa: E731
     deviation = ((flat(bf16) - flat(fp32)).norm() / flat(fp32).norm()).item()
     print(f"bf16 record gradient deviation: {deviation:.4%} relative L2")
     assert 0 < deviation <= 0.02
