@@ -66,6 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
+        data_dir=args.data_dir,
+        feedback_db=args.feedback_db,
     )
     run_server(_engine_config(args), server_config, _record_config(args))
     return 0
@@ -99,6 +101,8 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's stem)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    p.add_argument("--data-dir", default="alchemist-data", help="durable state: feedback log, adapters")
+    p.add_argument("--feedback-db", default=None, help="feedback log SQLite file (default: DATA_DIR/feedback.sqlite)")
     p.set_defaults(func=_serve)
 
 

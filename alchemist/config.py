@@ -10,6 +10,7 @@ filled in by ``EngineConfig.resolve`` once the model's config is known.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -122,6 +123,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
     max_completions_kept: int = 10_000  # finished completions kept by response id, for feedback
     completion_ttl_s: float = 24 * 3600.0  # ... and for how long
+    data_dir: str = "alchemist-data"  # the server's durable state (feedback log, adapters); created at start-up
+    feedback_db: str | None = None  # the feedback log's SQLite file; None: <data_dir>/feedback.sqlite
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -131,3 +134,14 @@ class ServerConfig:
         _check_positive(self, "max_body_bytes", "max_completions_kept")
         if not self.completion_ttl_s > 0:
             raise ValueError(f"completion_ttl_s must be positive (got {self.completion_ttl_s!r})")
+        self.data_dir = str(self.data_dir)  # a Path is welcome too
+        if not self.data_dir.strip():
+            raise ValueError("data_dir must not be empty")
+        if self.feedback_db is not None:
+            self.feedback_db = str(self.feedback_db)
+            if not self.feedback_db.strip():
+                raise ValueError("feedback_db must not be empty (None: <data_dir>/feedback.sqlite)")
+
+    @property
+    def feedback_db_path(self) -> str:
+        return self.feedback_db if self.feedback_db is not None else os.path.join(self.data_dir, "feedback.sqlite")

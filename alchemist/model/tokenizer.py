@@ -12,6 +12,7 @@ stop ids). ``IncrementalDetokenizer`` turns a stream of generated ids into text 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,27 @@ class Tokenizer:
             if token in template and token in vocab and vocab[token] not in ids:
                 ids.append(vocab[token])
         return tuple(ids)
+
+    @cached_property
+    def end_of_turn_token_id(self) -> int | None:
+        """The stop id that closes an assistant turn in the chat template (``<|im_end|>`` for ChatML, ``<|eot_id|>``
+        for Llama 3): the first of ``eos_token_ids`` after a reply the template renders. Without a template, the
+        eos token."""
+        fallback = self.eos_token_ids[0] if self.eos_token_ids else None
+        if not self.hf.chat_template:
+            return fallback
+        user = {"role": "user", "content": "Hi"}
+        prompt = self.apply_chat_template([user])
+        turn = self.apply_chat_template([user, {"role": "assistant", "content": "Hello"}], add_generation_prompt=False)
+        if turn[: len(prompt)] != prompt:  # a template that renders history differently: no reply to look after
+            return fallback
+        return next((t for t in turn[len(prompt) :] if t in self.eos_token_ids), fallback)
+
+    def encode_reply(self, text: str) -> list[int]:
+        """The ids of an assistant reply saying ``text`` that ends by itself: text's tokens, then the end-of-turn
+        id, as served output ids end when the engine stops on a stop token (finish_reason "stop")."""
+        end = self.end_of_turn_token_id
+        return self.encode(text) + ([end] if end is not None else [])
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

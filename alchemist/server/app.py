@@ -24,10 +24,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from alchemist.config import EngineConfig, RecordConfig, ServerConfig
 from alchemist.engine import LLMEngine, QueueFullError
+from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.server.async_engine import AsyncEngine
 from alchemist.server.completions_registry import CompletionsRegistry
-from alchemist.server.errors import BodyTooLargeError, ModelNotFoundError
+from alchemist.server.errors import BodyTooLargeError, ModelNotFoundError, ResponseNotFoundError
+from alchemist.server.feedback import FeedbackService
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.routes import router
@@ -42,6 +44,7 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     BodyTooLargeError: (413, "invalid_request_error", "request_too_large"),
     ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
+    ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     ValueError: (400, "invalid_request_error", None),
     Exception: (500, "internal_server_error", None),
 }
@@ -165,6 +168,10 @@ def app_for_engine(
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
+    feedback_log = FeedbackLog(server_config.feedback_db_path)
+    feedback_log.add_listener(metrics.observe_feedback)
+    app.state.feedback_log = feedback_log
+    app.state.feedback = FeedbackService(feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
     return app
 
 
@@ -216,3 +223,4 @@ def run_server(
     finally:
         server.should_exit = True
         http.join()
+        app.state.feedback_log.close()  # only now: the step loop (the trainer) may read the log until it ends

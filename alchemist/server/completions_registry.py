@@ -1,8 +1,8 @@
 """Finished completions by response id: what user feedback on a response needs, kept for a while.
 
-The feedback endpoint (a later issue) looks a response up by the ``id`` the client got ("chatcmpl-..." or
-"cmpl-...") and trains on its prompt and output token ids. Entries are bounded in number (least recently used
-goes first) and in age (``ttl_s``); an id that is gone is simply unknown.
+The feedback endpoint (``alchemist.server.feedback``) looks a response up by the ``id`` the client got
+("chatcmpl-..." or "cmpl-...") and logs its prompt and output token ids for training. Entries are bounded in
+number (least recently used goes first) and in age (``ttl_s``); an id that is gone is simply unknown.
 """
 
 from __future__ import annotations

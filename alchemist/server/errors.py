@@ -21,6 +21,17 @@ class ModelNotFoundError(LookupError):
         self.param = "model"
 
 
+class ResponseNotFoundError(LookupError):
+    """Feedback names a response id this server does not know (never served, or expired from the registry)."""
+
+    def __init__(self, response_id: str, param: str):
+        super().__init__(
+            f"No response with id {response_id!r}: it was never served here or has expired "
+            "(ServerConfig.max_completions_kept, completion_ttl_s)"
+        )
+        self.param = param
+
+
 class BodyTooLargeError(ValueError):
     def __init__(self, limit_bytes: int):
         super().__init__(f"Request body exceeds the limit of {limit_bytes} bytes (ServerConfig.max_body_bytes)")

@@ -3,7 +3,8 @@
 Latency histograms and finish reasons are fed from the engine thread after each step (``observe``). Gauges
 (running / waiting requests, KV-cache usage) and the engine's counters (prompt and generation tokens,
 preemptions) are read from ``LLMEngine.stats()`` when Prometheus scrapes, so they are current even while the
-engine sleeps. Each app owns its CollectorRegistry, so a process (tests) can build several.
+engine sleeps. ``feedback_total`` counts the feedback log's new entries by kind (``observe_feedback``, a log
+listener). Each app owns its CollectorRegistry, so a process (tests) can build several.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from alchemist.engine import EngineStats, RequestOutput
+from alchemist.feedback.log import KINDS, FeedbackEntry
 
 PREFIX = "alchemist:"
 # vLLM's buckets, extended at the slow end for a CPU.
@@ -73,6 +75,9 @@ class ServerMetrics:
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
+        self.feedback = Counter(PREFIX + "feedback", "Feedback entries logged, by kind.", ["kind"], registry=r)
+        for kind in KINDS:  # every kind from 0, so that rates exist before the first entry of a kind
+            self.feedback.labels(kind=kind)
         r.register(_EngineStatsCollector(read_stats))
 
     def observe(self, outputs: Sequence[RequestOutput]) -> None:
@@ -89,6 +94,10 @@ class ServerMetrics:
             if out.output_token_ids:  # an aborted request may have none: no TTFT to speak of
                 self.ttft.observe(t.ttft_s)
                 self.tpot.observe(t.tpot_s)
+
+    def observe_feedback(self, entry: FeedbackEntry) -> None:
+        """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""
+        self.feedback.labels(kind=entry.kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

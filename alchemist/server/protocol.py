@@ -1,4 +1,5 @@
-"""OpenAI wire format: pydantic models for /v1/chat/completions, /v1/completions, /v1/models and errors.
+"""OpenAI wire format: pydantic models for /v1/chat/completions, /v1/completions, /v1/models and errors, plus
+Alchemist's own /v1/feedback.
 
 Requests accept what the official ``openai`` client sends. Fields we do not implement are ignored (as vLLM
 does), except ``n`` > 1 and ``echo``/``suffix``/``best_of``, which change the answer's shape and are refused.
@@ -12,7 +13,15 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20
 
@@ -262,3 +271,50 @@ class ModelCard(OpenAIModel):
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- feedback (Alchemist's own endpoint) ----------------------------------------------------------------------
+
+
+class FeedbackRequest(BaseModel):
+    """Feedback on one response, by the ``id`` it was served with. ``correction``: how the response should have
+    read (trained on instead of it); ``preferred_over``: the id of a worse response to the same prompt."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field would otherwise be silently lost feedback
+
+    response_id: str = Field(min_length=1)
+    rating: Literal[1, -1] | None = None
+    correction: str | None = None
+    preferred_over: str | None = None
+
+    @field_validator("rating", mode="before")
+    @classmethod
+    def _rating_is_an_integer(cls, rating: object) -> object:
+        # pydantic's Literal[1, -1] would take true and 1.0 as 1; a rating is exactly 1 or -1
+        if rating is not None and (isinstance(rating, bool) or not isinstance(rating, int)):
+            raise ValueError("rating must be 1, -1 or null")
+        return rating
+
+    @field_validator("correction")
+    @classmethod
+    def _correction_has_text(cls, correction: str | None) -> str | None:
+        if correction is not None and not correction.strip():
+            raise ValueError("correction must not be empty")
+        return correction
+
+    @model_validator(mode="after")
+    def _says_something(self) -> FeedbackRequest:
+        if self.rating is None and self.correction is None and self.preferred_over is None:
+            raise ValueError("feedback needs at least one of rating, correction or preferred_over")
+        if self.preferred_over is not None and (self.rating is not None or self.correction is not None):
+            # One submission, one entry of one kind; a rating or correction is a separate submission.
+            raise ValueError("preferred_over cannot be combined with rating or correction; send them separately")
+        return self
+
+
+class FeedbackResponse(OpenAIModel):
+    id: str  # "fb-<seq>": the entry's position in the feedback log
+    object: Literal["feedback"] = "feedback"
+    response_id: str
+    kind: Literal["sft", "negative", "preference"]
+    created: bool  # False: the same feedback was already logged (this is that entry)

@@ -11,7 +11,13 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from alchemist.server.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from alchemist.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FeedbackRequest,
+    FeedbackResponse,
+    ModelList,
+)
 from alchemist.server.service import EventStream, OpenAIServing
 
 router = APIRouter()
@@ -45,6 +51,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, _serving(request).completion(body))
+
+
+@router.post("/v1/feedback")
+def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
+    # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
+    return request.app.state.feedback.submit(body)
 
 
 async def _respond(request: Request, result: Awaitable[Any]) -> Response:

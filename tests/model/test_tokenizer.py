@@ -130,6 +130,26 @@ def test_eos_token_ids_add_end_of_turn_when_it_differs(tok: Tokenizer):
         tok.hf.eos_token = eos_token
 
 
+def test_encode_reply_is_the_assistant_turn_the_template_renders(tok: Tokenizer):
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    user = {"role": "user", "content": "Say hi."}
+    for text in ["Hello there, friend.", "Two\nlines 😀", " spaced "]:
+        reply = tok.encode_reply(text)
+        prompt = tok.apply_chat_template([user])
+        turn = tok.apply_chat_template([user, {"role": "assistant", "content": text}], add_generation_prompt=False)
+        assert reply[-1] == im_end  # as a served output ends when the model stops by itself
+        assert turn[: len(prompt) + len(reply)] == prompt + reply
+
+
+def test_end_of_turn_is_the_template_s_not_the_eos(tok: Tokenizer):
+    eos_token = tok.hf.eos_token
+    try:
+        tok.hf.eos_token = "<|endoftext|>"  # as in Qwen2: eos differs from the ChatML end of turn
+        assert Tokenizer(tok.hf).end_of_turn_token_id == tok.hf.convert_tokens_to_ids("<|im_end|>")
+    finally:
+        tok.hf.eos_token = eos_token
+
+
 def test_chat_template_matches_hf(tok: Tokenizer):
     conversations = [
         [{"role": "user", "content": "What is 2+2?"}],

@@ -36,6 +36,7 @@ class ServerProcess:
     base_url: str  # http://127.0.0.1:PORT
     process: subprocess.Popen
     log_path: Path
+    data_dir: Path  # --data-dir: the feedback log is data_dir / "feedback.sqlite"
 
     def client(self, **kwargs) -> openai.OpenAI:
         # No retries: a 429 or 5xx must reach the test as it is.
@@ -67,13 +68,14 @@ def _free_port() -> int:
 def _launch(name: str, log_dir: Path) -> ServerProcess:
     port = _free_port()
     log_path = log_dir / f"{name}.log"
+    data_dir = log_dir / f"{name}-data"
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", "float32", "--device", "cpu"]
-    cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, *SERVER_FLAGS[name]]
+    cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--data-dir", str(data_dir), *SERVER_FLAGS[name]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     repo_root = Path(__file__).resolve().parents[2]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo_root, env=env)
-    return ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    return ServerProcess(f"http://127.0.0.1:{port}", process, log_path, data_dir)
 
 
 def _wait_ready(server: ServerProcess) -> None:

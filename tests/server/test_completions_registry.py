@@ -53,9 +53,9 @@ def test_bad_limits_are_refused():
         CompletionsRegistry(ttl_s=0)
 
 
-def test_a_served_response_is_reachable_by_its_id(smollm2):
+def test_a_served_response_is_reachable_by_its_id(smollm2, tmp_path):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
-    app = app_for_engine(engine, ["m"], ServerConfig())
+    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)))
     messages = [{"role": "user", "content": "Hi"}]
     with TestClient(app) as http:
         body = http.post(

@@ -1,0 +1,235 @@
+"""The feedback log: every accepted piece of user feedback, append-only, in one SQLite file.
+
+    log = FeedbackLog("alchemist-data/feedback.sqlite")
+    entry, created = log.append(response_id="chatcmpl-...", kind="sft", rating=1, prompt_token_ids=[...], ...)
+    new = log.read(after_seq=trainer_position, limit=64)      # the trainer's position is the last seq it consumed
+
+Each entry gets an increasing sequence number ``seq`` (never reused), so a consumer's position in the log is one
+integer it can checkpoint. The database runs in WAL mode with ``synchronous=FULL``: ``append`` returns only after
+the row is on disk, so feedback the server acknowledged survives a crash or SIGKILL right after. An entry's
+idempotency key (a hash of what the user sent) is unique: sending the same feedback again returns the existing
+entry and writes nothing. Token ids are stored as little-endian int32 blobs.
+
+Kinds: "sft" (learn ``response_token_ids``: the served output, or the user's correction), "negative" (a rating of
+-1 without a correction: the served output was bad), "preference" (``response_id``'s output was preferred over
+``preferred_over``'s, whose output is ``rejected_token_ids``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("sft", "negative", "preference")
+RATINGS = (1, -1)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- AUTOINCREMENT: a seq is never reused, even after a delete
+    idempotency_key TEXT NOT NULL UNIQUE,
+    response_id TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('sft', 'negative', 'preference')),
+    rating INTEGER CHECK (rating IN (1, -1)),
+    correction TEXT,
+    preferred_over TEXT,
+    prompt_token_ids BLOB NOT NULL,
+    response_token_ids BLOB NOT NULL,
+    output_token_ids BLOB NOT NULL,
+    rejected_token_ids BLOB,
+    adapter_version INTEGER NOT NULL,
+    recorded INTEGER NOT NULL,
+    created_s REAL NOT NULL
+)
+"""
+_INSERTED = (  # every column but seq, in the order append() binds them
+    "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
+    "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
+)  # fmt: skip
+_INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join('?' * len(_INSERTED))})"
+
+
+@dataclass(frozen=True)
+class FeedbackEntry:
+    seq: int  # position in the log, from 1
+    idempotency_key: str
+    response_id: str  # the response the feedback is about; also the id of its activation record, if recorded
+    kind: str  # "sft" | "negative" | "preference"
+    rating: int | None  # 1, -1 or None
+    correction: str | None
+    preferred_over: str | None  # a response to the same prompt that was worse than response_id's
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]  # what to train on: the served output ids, or the tokenized correction
+    output_token_ids: list[int]  # what was served
+    rejected_token_ids: list[int] | None  # preferred_over's served output ids ("preference" only)
+    adapter_version: int  # the adapter the response was served with; 0 = the base model
+    recorded: bool  # whether the prompt's activations were recorded (record id = response_id)
+    created_s: float  # wall-clock time of the append
+
+
+def idempotency_key(response_id: str, rating: int | None, correction: str | None, preferred_over: str | None) -> str:
+    """Equal for equal submissions: a retried POST finds the entry its first attempt wrote."""
+    payload = json.dumps([response_id, rating, correction, preferred_over], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def encode_ids(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def decode_ids(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, dtype="<i4").tolist()
+
+
+class FeedbackLog:
+    """Thread-safe: one connection behind a lock (HTTP threads append, the trainer reads)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions; append() opens and commits its own.
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[FeedbackEntry], None]] = []
+        with self._lock:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise ValueError(f"feedback_db {self.path}: SQLite refused WAL mode (got {mode!r})")
+            # FULL: a commit in WAL mode fsyncs the WAL, so an acknowledged append survives power loss too.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA busy_timeout=10000")  # another process (a reader, a tool) may hold a lock
+            self._conn.execute(_SCHEMA)
+
+    def append(
+        self,
+        *,
+        response_id: str,
+        kind: str,
+        prompt_token_ids: Sequence[int],
+        response_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        adapter_version: int,
+        recorded: bool,
+        rating: int | None = None,
+        correction: str | None = None,
+        preferred_over: str | None = None,
+        rejected_token_ids: Sequence[int] | None = None,
+    ) -> tuple[FeedbackEntry, bool]:
+        """Writes an entry (durably) unless one with the same submission exists; returns (entry, created)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)} (got {kind!r})")
+        if rating is not None and (isinstance(rating, bool) or rating not in RATINGS):
+            raise ValueError(f"rating must be 1, -1 or None (got {rating!r})")
+        if (kind == "preference") != (rejected_token_ids is not None):
+            raise ValueError("rejected_token_ids must be given for kind 'preference' and only then")
+        key = idempotency_key(response_id, rating, correction, preferred_over)
+        row = (
+            key,
+            response_id,
+            kind,
+            rating,
+            correction,
+            preferred_over,
+            encode_ids(prompt_token_ids),
+            encode_ids(response_token_ids),
+            encode_ids(output_token_ids),
+            None if rejected_token_ids is None else encode_ids(rejected_token_ids),
+            int(adapter_version),
+            int(bool(recorded)),
+            time.time(),
+        )
+        with self._lock:
+            # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
+            # Not INSERT ... ON CONFLICT DO NOTHING: a refused insert still uses up an AUTOINCREMENT seq.
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                entry = self._find(key)
+                created = entry is None
+                if created:
+                    self._conn.execute(_INSERT, row)
+                    entry = self._find(key)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        assert entry is not None
+        if created:
+            self._notify(entry)  # after the commit, outside the lock: a listener may read the log
+        return entry, created
+
+    def find(self, key: str) -> FeedbackEntry | None:
+        """The entry with idempotency key ``key``, if any."""
+        with self._lock:
+            return self._find(key)
+
+    def read(self, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
+        """Up to ``limit`` entries with seq > ``after_seq``, oldest first."""
+        if limit < 1:
+            raise ValueError(f"limit must be positive (got {limit})")
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM feedback WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit)
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def last_seq(self) -> int:
+        """The newest entry's seq; 0 for an empty log."""
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
+
+    def counts(self) -> dict[str, int]:
+        """Entries per kind (every kind present, 0 when none)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT kind, COUNT(*) FROM feedback GROUP BY kind").fetchall()
+        return {kind: 0 for kind in KINDS} | dict(rows)
+
+    def add_listener(self, callback: Callable[[FeedbackEntry], None]) -> None:
+        """``callback(entry)`` runs after each new entry is committed, in the appending thread (keep it short:
+        the HTTP response waits for it). Duplicates do not call it."""
+        self._listeners.append(callback)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()  # the last connection to close checkpoints the WAL into the main file
+
+    def _find(self, key: str) -> FeedbackEntry | None:
+        row = self._conn.execute("SELECT * FROM feedback WHERE idempotency_key = ?", (key,)).fetchone()
+        return None if row is None else _entry(row)
+
+    def _notify(self, entry: FeedbackEntry) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback(entry)
+            except Exception:  # the entry is committed: a failing listener must not turn the append into an error
+                logger.exception("feedback listener %r failed on entry %d", callback, entry.seq)
+
+
+def _entry(row: sqlite3.Row) -> FeedbackEntry:
+    rejected = row["rejected_token_ids"]
+    return FeedbackEntry(
+        seq=row["seq"],
+        idempotency_key=row["idempotency_key"],
+        response_id=row["response_id"],
+        kind=row["kind"],
+        rating=row["rating"],
+        correction=row["correction"],
+        preferred_over=row["preferred_over"],
+        prompt_token_ids=decode_ids(row["prompt_token_ids"]),
+        response_token_ids=decode_ids(row["response_token_ids"]),
+        output_token_ids=decode_ids(row["output_token_ids"]),
+        rejected_token_ids=None if rejected is None else decode_ids(rejected),
+        adapter_version=row["adapter_version"],
+        recorded=bool(row["recorded"]),
+        created_s=row["created_s"],
+    )
