@@ -101,20 +101,53 @@ class LoraAdapter(nn.Module):
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out)."""
-        targeted = self.targeted(name)
-        if not targeted:
+        xa = self.down(layer, name, x)
+        return None if xa is None else self.up(layer, name, xa)
+
+    def down(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The scaled down-projection ``scaling * x @ A^T`` (T, parts*r) of the targeted parts; None if none."""
+        if not self.targeted(name):
             return None
-        r, scaling = self.config.r, self.config.scaling
         # Scaling the (T, parts*r) down-projection rather than each (T, out) delta: one small elementwise pass.
-        xa = (x @ self.A[f"{layer}_{name}"].to(x.dtype).t()) * scaling  # (T, parts*r)
+        return (x @ self.A[f"{layer}_{name}"].to(x.dtype).t()) * self.config.scaling
+
+    def up(self, layer: int, name: str, xa: torch.Tensor, parts: tuple[str, ...] | None = None) -> torch.Tensor:
+        """The deltas of ``parts`` (default: all of the fused projection's), concatenated: (T, their out)."""
+        targeted, r = self.targeted(name), self.config.r
         outs = []
-        for part in FUSED_PARTS[name]:
+        for part in parts or FUSED_PARTS[name]:
             if part in targeted:
                 j = targeted.index(part)
-                outs.append(xa[:, j * r : (j + 1) * r] @ self.B[f"{layer}_{part}"].to(x.dtype).t())
+                outs.append(xa[:, j * r : (j + 1) * r] @ self.B[f"{layer}_{part}"].to(xa.dtype).t())
             else:
-                outs.append(x.new_zeros(x.shape[0], self.shapes[part][1]))
+                outs.append(xa.new_zeros(xa.shape[0], self.shapes[part][1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    @torch.no_grad()
+    def backward(
+        self, layer: int, name: str, x: torch.Tensor, xa: torch.Tensor, grad: torch.Tensor, dx: torch.Tensor | None
+    ) -> None:
+        """The delta's backward by hand, for the replay walk (no autograd graph).
+
+        ``grad`` (T, fused out) is dL/d(delta) of ``delta(layer, name, x)``, ``xa = down(layer, name, x)``.
+        Accumulates dL/dA and dL/dB into the parameters' ``.grad``; adds dL/dx into ``dx`` (T, in) in place
+        (pass None where x needs no gradient).
+        """
+        targeted, r, scaling = self.targeted(name), self.config.r, self.config.scaling
+        pieces, col = [], 0  # dL/d(xa), per targeted part: (T, r) each
+        for part in FUSED_PARTS[name]:
+            width = self.shapes[part][1]
+            if part in targeted:
+                j = targeted.index(part)
+                g, b = grad[:, col : col + width], self.B[f"{layer}_{part}"]
+                _accumulate_grad(b, g.t() @ xa[:, j * r : (j + 1) * r])
+                pieces.append(g @ b.to(g.dtype))
+            col += width
+        dxa = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).mul_(scaling)
+        a = self.A[f"{layer}_{name}"]
+        _accumulate_grad(a, dxa.t() @ x)
+        if dx is not None:
+            dx.addmm_(dxa, a.to(dx.dtype))
 
     # --- per-module views, in PEFT's naming (for saving, loading and comparing gradients) ------------------------
 
@@ -131,3 +164,11 @@ class LoraAdapter(nn.Module):
                     out[(layer, part, "A")] = None if a is None else a[j * r : (j + 1) * r]
                     out[(layer, part, "B")] = b
         return out
+
+
+def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` (fp32 masters), as autograd's accumulation would."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype, copy=True).contiguous()
+    else:
+        param.grad += grad

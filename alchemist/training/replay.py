@@ -8,12 +8,13 @@ Built as the layer walk of shared/design/activation-reuse.md, section 6:
    record (recorded base q/k/v outputs + the live LoRA delta on the recorded layer input, then RoPE).
 2. Backward of the loss through the live graph gives the LoRA gradients of the live rows and dK, dV of every
    layer's prompt leaves.
-3. **Walk** the layers from the top: rebuild layer l's prompt-row graph from its record (custom autograd
-   functions return recorded outputs; no base matmul and no attention forward), then backward
-   [h_{l+1}, K_l, V_l] with [dh from the layer above, dK_l, dV_l]. The rebuilt K_l, V_l equal the leaves (same
-   code, same inputs), so autograd sums their two consumers correctly; the adapter must not change in between.
+3. **Walk** the layers from the top: layer l's prompt rows are differentiated by hand
+   (``alchemist.training.prompt_backward``) from the layer's record, the gradient dh of its output rows (from the
+   layer above; none at the top) and dK_l, dV_l of its leaves (the live rows' attention to the prompt). No base
+   matmul and no attention forward runs; only the cheap ops whose values the backward needs are recomputed.
 
-Only one layer's prompt graph is alive at a time: that is where the memory goes down (issue 6 offloads the rest).
+Only one layer's prompt rows are worked on at a time: that is where the memory goes down (issue 6 offloads the
+rest). The leaves' values are reused by the walk, so the adapter must not change between the two phases.
 """
 
 from __future__ import annotations
@@ -23,46 +24,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from alchemist.model.attention import AttentionMetadata, bottom_right_causal_mask, lse_dtype
-from alchemist.model.llama import Adapter, Llama
+from alchemist.model.attention import bottom_right_causal_mask
+from alchemist.model.llama import Llama
+from alchemist.model.lora import LoraAdapter
 from alchemist.model.seam import COMPUTE
+from alchemist.training.prompt_backward import PromptRecord, prompt_kv, prompt_layer_backward
 from alchemist.training.recompute import response_loss
 
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
-
-
-class ReplayLinear(torch.autograd.Function):
-    """Forward: the recorded output of a frozen linear. Backward: the ordinary input gradient ``grad @ W``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        # A detached alias: returning the stored tensor itself would attach this graph to the record.
-        return recorded.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (weight,) = ctx.saved_tensors
-        return grad @ weight, None, None
-
-
-class ReplayAttention(torch.autograd.Function):
-    """Causal self-attention of the prompt rows: forward returns the recorded output; backward runs the flash
-    attention backward once from (q, k, v, out, lse), never recomputing the forward. Shapes (1, heads, n, Dh)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, out, lse, scale: float):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, True, attn_mask=None, scale=ctx.scale
-        )
-        return dq, dk, dv, None, None, None
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -116,32 +85,9 @@ def live_attention(
     return out[0].transpose(0, 1)
 
 
-class ReplayOps:
-    """The seam in replay: the first ``num_rows`` recorded rows of one layer stand in for the base outputs."""
-
-    def __init__(self, record_layer: dict[str, torch.Tensor], num_rows: int, dtype: torch.dtype) -> None:
-        self.rec = {
-            name: t[:num_rows].to(lse_dtype(dtype) if name == "lse" else dtype) for name, t in record_layer.items()
-        }
-
-    def layer_input(self, layer: int, h: torch.Tensor) -> None:
-        pass
-
-    def linear(self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        return ReplayLinear.apply(x, weight, self.rec[name])
-
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        n, heads, head_dim = q.shape
-        out = self.rec["attn"].view(n, heads, head_dim).transpose(0, 1).unsqueeze(0).contiguous()
-        lse = self.rec["lse"].t().unsqueeze(0).contiguous()
-        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = ReplayAttention.apply(qs, ks, vs, out, lse, head_dim**-0.5)
-        return o[0].transpose(0, 1)
-
-
 def replay_backward(
     model: Llama,
-    adapter: Adapter,
+    adapter: LoraAdapter,
     record_layers: RecordLayers,
     prompt_ids: torch.Tensor,
     response_ids: torch.Tensor,
@@ -156,17 +102,14 @@ def replay_backward(
     live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
     rot_live = model.rope(torch.arange(n, n + len(live_ids), device=device), dtype)
     rot_prompt = model.rope(torch.arange(n, device=device), dtype)
-    meta = AttentionMetadata.single(max(n, 1))  # unused by ReplayOps; the seam wants one
 
     # 1. Live stream forward, with each layer's prompt K/V as leaves.
     leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
     h = F.embedding(live_ids, model.embed)
     for layer in range(model.config.num_layers):
         if n:
-            with torch.no_grad():
-                ops = ReplayOps(record_layers(layer), n, dtype)
-                h_rec = ops.rec["h"]
-                _, k_p, v_p = model.attention_inputs(layer, h_rec, rot_prompt, ops, adapter)
+            rec = PromptRecord(record_layers(layer), n, dtype)
+            k_p, v_p = prompt_kv(model, adapter, layer, rec, rot_prompt)
             leaves.append((k_p.requires_grad_(), v_p.requires_grad_()))
         q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
         if n:
@@ -181,18 +124,12 @@ def replay_backward(
     if not n:
         return loss.item()
 
-    # 2. Walk the prompt rows from the top layer down, one layer's graph at a time.
+    # 2. Walk the prompt rows from the top layer down, one layer at a time.
     dh: torch.Tensor | None = None  # gradient of this layer's output rows (none above the top layer)
     for layer in reversed(range(model.config.num_layers)):
-        ops = ReplayOps(record_layers(layer), n, dtype)
-        h_in = ops.rec["h"].detach().requires_grad_(layer > 0)  # layer 0's input is the frozen embedding
-        q, k, v = model.attention_inputs(layer, h_in, rot_prompt, ops, adapter)
         k_leaf, v_leaf = leaves.pop()
-        roots, grads = [k, v], [k_leaf.grad, v_leaf.grad]
-        if dh is not None:  # the top layer's prompt outputs feed nothing: its attention and MLP are dead work
-            h_mid = model.attention_output(layer, h_in, ops.attention(layer, q, k, v, meta), ops, adapter)
-            roots.append(model.mlp(layer, h_mid, ops, adapter))
-            grads.append(dh)
-        torch.autograd.backward(roots, grads)
-        dh = h_in.grad
+        rec = PromptRecord(record_layers(layer), n, dtype)
+        dh = prompt_layer_backward(
+            model, adapter, layer, rec, rot_prompt, k_leaf.detach(), v_leaf.detach(), k_leaf.grad, v_leaf.grad, dh
+        )
     return loss.item()
