@@ -13,6 +13,12 @@ any other thread at the same time. They only validate and put the operation on a
 lock), which ``step()`` drains before it schedules; ``abort`` additionally applies it at once when no step is in
 progress, so a caller that is not stepping sees the slot and blocks freed on return.
 
+Adapters: ``set_adapter(adapter, version)`` (any thread) serves a LoRA adapter from the start of the next step,
+``set_adapter(None, 0)`` the base model again. It serves a frozen copy taken in the caller's thread, so the trainer
+may go on updating its own adapter in place. A step never mixes two adapters. A request in flight at a swap
+continues with the new adapter from the next step, but its prompt record and its outputs' ``adapter_version`` keep
+the version its prefill started with (the oldest it saw; a preemption restarts the prefill, and the version).
+
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
 model), and run no torch work in other threads. On this 2-core CPU, stepping in a second thread made a batch-8
 decode 1.6x slower (128 vs 208 tokens/s): each thread that runs OpenMP regions gets its own team, and with more
@@ -35,9 +41,11 @@ from alchemist.engine.runner import ModelRunner
 from alchemist.engine.sampler import Sampler
 from alchemist.engine.scheduler import ScheduledBatch, Scheduler
 from alchemist.engine.sequence import SamplingParams, Sequence
+from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.engine.stop import StopChecker
 from alchemist.model.llama import Llama
 from alchemist.model.loader import load_model
+from alchemist.model.lora import LoraAdapter, part_shapes
 from alchemist.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -51,6 +59,7 @@ class _Pending:
 
     adds: list[Sequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    adapter: tuple[ServedAdapter | None, int] | None = None  # the latest set_adapter (frozen copy, version)
 
 
 class LLMEngine:
@@ -122,11 +131,38 @@ class LLMEngine:
         """
         with self._lock:
             self._pending.aborts.append(request_id)
-        if self._step_lock.acquire(blocking=False):  # no step running: apply it now
-            try:
-                self._apply_pending()
-            finally:
-                self._step_lock.release()
+        self._apply_pending_if_idle()
+
+    def set_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
+        """Serves ``adapter`` (None: the base model) as ``version`` (0 for None, else >= 1) from the next step.
+
+        The copy is taken here, in the caller's thread: changes to ``adapter`` after this returns are not served.
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be an integer >= 0 (got {version!r})")
+        if adapter is None:
+            if version != 0:
+                raise ValueError(f"version must be 0 for the base model (adapter None; got {version})")
+            served = None
+        else:
+            if not isinstance(adapter, LoraAdapter):
+                raise ValueError(f"adapter must be a LoraAdapter or None (got {type(adapter).__name__})")
+            if version == 0:
+                raise ValueError("version 0 means the base model; give an adapter a version >= 1")
+            mine, theirs = self.model.config, adapter.model_config
+            if mine.num_layers != theirs.num_layers or part_shapes(mine) != part_shapes(theirs):
+                raise ValueError("adapter was made for a model of another shape (its model_config differs)")
+            served = ServedAdapter(adapter, self.model.dtype, self.model.device)
+        with self._lock:
+            self._pending.adapter = (served, version)
+        self._apply_pending_if_idle()
+
+    @property
+    def adapter_version(self) -> int:
+        """The version the next step serves (0: the base model)."""
+        with self._lock:
+            pending = self._pending.adapter
+        return pending[1] if pending is not None else self.runner.adapter_version
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -203,9 +239,18 @@ class LLMEngine:
             )
         return max_tokens
 
+    def _apply_pending_if_idle(self) -> None:
+        if self._step_lock.acquire(blocking=False):  # no step running: apply the queue now
+            try:
+                self._apply_pending()
+            finally:
+                self._step_lock.release()
+
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, _Pending()
+            if pending.adapter is not None:  # under the lock, so that adapter_version never goes back
+                self.runner.set_adapter(*pending.adapter)
         for seq in pending.adds:
             self.scheduler.add(seq)
         now = time.monotonic()
@@ -230,7 +275,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         now = time.monotonic()
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.advance(num)
+            seq.advance(num, self.runner.adapter_version)
         outputs = self._take_aborted()
         for seq, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
             if seq.first_token_s is None:
@@ -257,6 +302,7 @@ class LLMEngine:
             text=seq.text[: seq.num_text_sent],
             output_token_ids=seq.output_token_ids,
             prompt_token_ids=seq.prompt_token_ids,
+            adapter_version=seq.adapter_version,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             logprobs=new_logprobs if seq.params.logprobs is not None else None,

@@ -41,6 +41,7 @@ class RequestOutput:
     text: str  # all text handed out so far (the concatenation of every new_text)
     output_token_ids: list[int]  # all sampled so far (a copy)
     prompt_token_ids: list[int]
+    adapter_version: int  # of the adapter its prefill started with (0: the base model, or not prefilled yet)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for logprobs

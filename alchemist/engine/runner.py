@@ -6,6 +6,9 @@ head runs only on rows whose next token is wanted (the last token of each sequen
 tokens): on a 512-token prefill chunk that is one row of 49152 logits instead of 512.
 
 The runner owns the KV cache storage: ``max_num_seqs`` slots of ``max_model_len`` tokens, contiguous per slot.
+It also holds the LoRA adapter being served (a ``ServedAdapter``, or None for the base model): every forward,
+prefill and decode, adds its delta after the seam's base linear (``Llama.project``), so the packed bf16 linears
+and the records (base outputs) are unchanged by it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, pa
 from alchemist.engine.scheduler import ScheduledBatch
 from alchemist.engine.sequence import Sequence
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
-from alchemist.model.llama import Llama, rms_norm
+from alchemist.model.llama import Adapter, Llama, rms_norm
 from alchemist.model.seam import COMPUTE, Ops
 
 
@@ -27,7 +30,8 @@ class ModelRunner:
         assert config.max_model_len is not None, "pass a resolved EngineConfig"
         self.model = model
         self.recorder = recorder
-        self.adapter_version = 0  # of the adapter serving now; records carry it
+        self.adapter: Adapter | None = None  # served with every forward; None: the base model
+        self.adapter_version = 0  # of the adapter serving now (0: none); records and outputs carry it
         c = model.config
         self.cache = KVCache(
             c.num_layers,
@@ -44,6 +48,11 @@ class ModelRunner:
         if packed_linear_supported(model):
             self.ops = PackedLinearOps(model)
             self._packed_lm_head = pack(model.lm_head)
+
+    def set_adapter(self, adapter: Adapter | None, version: int) -> None:
+        """Serves ``adapter`` from the next forward on (the engine calls it between steps only)."""
+        self.adapter = adapter
+        self.adapter_version = version
 
     def ops_for(self, batch: ScheduledBatch, meta: AttentionMetadata) -> Ops:
         """The ops object for this batch's forward: recording ops when a prompt chunk of a recorded request is in
@@ -80,7 +89,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
-        hidden = self.model(input_ids, pos, meta, ops)  # (T, d)
+        hidden = self.model(input_ids, pos, meta, ops, self.adapter)  # (T, d)
         if self.recorder is not None:
             self.recorder.after_forward(ops)
         if len(sample_rows) != len(ids):

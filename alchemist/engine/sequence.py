@@ -117,6 +117,7 @@ class Sequence:
         self.block_ids: list[int] = []  # owned by the BlockManager
         self.num_computed_tokens = 0
         self.record = False  # record the prompt's prefill activations (the engine's recording policy decides)
+        self.adapter_version = 0  # the adapter its prefill (the latest, after a preemption) started with
         self.finish_reason: str | None = None
         # Sampling state: one generator per request so its draws do not depend on its batch neighbours.
         self.generator: torch.Generator | None = None
@@ -185,8 +186,14 @@ class Sequence:
         if self.first_scheduled_s is None:
             self.first_scheduled_s = now_s
 
-    def advance(self, num_tokens: int) -> None:
-        """``num_tokens`` more tokens now have their keys/values in the cache."""
+    def advance(self, num_tokens: int, adapter_version: int = 0) -> None:
+        """``num_tokens`` more tokens now have their keys/values in the cache, computed with that adapter.
+
+        A chunk from position 0 starts the prompt's prefill (or its recomputation after a preemption): its
+        adapter version becomes the sequence's, as it does the prompt record's.
+        """
+        if self.num_computed_tokens == 0:
+            self.adapter_version = adapter_version
         self.num_computed_tokens += num_tokens
         assert self.num_computed_tokens <= len(self.token_ids)
 

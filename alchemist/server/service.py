@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -54,6 +54,11 @@ class Accumulator:
     def finish_reason(self) -> str | None:
         return self.last.finish_reason if self.last else None
 
+    @property
+    def adapter_version(self) -> int:
+        """The adapter its prefill used (the engine keeps it for the whole request, across swaps)."""
+        return self.last.adapter_version if self.last else 0
+
     def usage(self) -> p.UsageInfo:
         return p.UsageInfo.of(len(self.prompt_token_ids), len(self.output_token_ids))
 
@@ -82,7 +87,6 @@ class OpenAIServing:
         served_model_names: list[str],
         max_model_len: int,
         registry: CompletionsRegistry,
-        adapter_version: Callable[[], int] = lambda: 0,
     ):
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
@@ -91,7 +95,6 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.registry = registry
-        self.adapter_version = adapter_version
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     @property
@@ -242,7 +245,7 @@ class OpenAIServing:
                 output_token_ids=acc.output_token_ids,
                 text=acc.text,
                 model=self.model_name,
-                adapter_version=self.adapter_version(),
+                adapter_version=acc.adapter_version,
                 finish_reason=acc.finish_reason,
                 created_s=time.time(),
                 recorded=req.alchemist.record,

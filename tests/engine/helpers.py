@@ -1,4 +1,5 @@
-"""Helpers for the engine tests: a one-character-per-token tokenizer for the tiny models, random prompts.
+"""Helpers for the engine tests: a one-character-per-token tokenizer for the tiny models, random prompts and
+adapters, and a plain greedy loop over ``Llama.forward`` as the reference for the engine's outputs.
 
 The tokenizer maps each of the tiny model's 256 ids to one printable character, so any id sequence decodes to
 valid text (no half-characters) and stop strings can be picked straight out of a generation.
@@ -12,6 +13,9 @@ from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from alchemist.engine import LLMEngine, RequestOutput
+from alchemist.model.attention import AttentionMetadata, KVCache, Segment
+from alchemist.model.llama import Adapter, Llama
+from alchemist.model.lora import LoraAdapter
 from alchemist.model.tokenizer import Tokenizer
 
 # Printable ASCII then Greek/Coptic/Cyrillic code points: 256 single characters.
@@ -37,3 +41,31 @@ def run_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
+
+
+def random_adapter(model: Llama, seed: int, std: float = 0.05) -> LoraAdapter:
+    """A LoRA adapter with random (seeded) non-zero B, so that its delta changes the outputs."""
+    adapter = LoraAdapter(model.config, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in adapter.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * std)
+    return adapter
+
+
+@torch.inference_mode()
+def greedy_reference(model: Llama, prompt: list[int], num_tokens: int, adapters: list[Adapter | None]) -> list[int]:
+    """Greedy tokens from ``Llama.forward`` with a one-slot KV cache: forward i (the prompt, then each token
+    sampled) runs with ``adapters[i]`` (the last one repeats), as the engine does when the adapter changes."""
+    c = model.config
+    cache = KVCache(c.num_layers, 1, len(prompt) + num_tokens, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    ids, start, out = list(prompt), 0, []
+    for i in range(num_tokens):
+        meta = AttentionMetadata([Segment(slot=0, start=start, length=len(ids))], cache=cache)
+        positions = torch.arange(start, start + len(ids), device=model.device)
+        hidden = model(
+            torch.tensor(ids, device=model.device), positions, meta, adapter=adapters[min(i, len(adapters) - 1)]
+        )
+        out.append(int(model.logits(hidden[-1:]).argmax(-1)))
+        start, ids = start + len(ids), [out[-1]]
+    return out
