@@ -69,8 +69,41 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         feedback_db=args.feedback_db,
     )
-    run_server(_engine_config(args), server_config, _record_config(args))
+    run_server(_engine_config(args), server_config, _record_config(args), _online_config(args))
     return 0
+
+
+def _add_online_flags(p: argparse.ArgumentParser) -> None:
+    """OnlineConfig fields: the trainer that learns from feedback inside the server."""
+    p.add_argument("--no-train", action="store_true", help="log feedback but train nothing")
+    p.add_argument("--train-batch-size", type=int, default=8, help="feedback samples per optimizer step")
+    p.add_argument("--train-max-wait-s", type=float, default=10.0, help="train a partial batch after this wait")
+    p.add_argument("--train-epochs", type=int, default=1, help="optimizer steps over each mini-batch")
+    p.add_argument("--train-lr", type=float, default=2e-4)
+    p.add_argument("--train-max-staleness", type=int, default=4, help="adapter versions a record may lag")
+    p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
+    p.add_argument("--train-share", type=float, default=0.25, help="time share of training while serving is busy")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--keep-adapter-versions", type=int, default=8, help="adapter versions kept (rollback targets)")
+
+
+def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazily)
+    from alchemist.config import OnlineConfig
+
+    return OnlineConfig(
+        enabled=not args.no_train,
+        batch_size=args.train_batch_size,
+        max_wait_s=args.train_max_wait_s,
+        epochs=args.train_epochs,
+        lr=args.train_lr,
+        max_staleness=args.train_max_staleness,
+        replay=not args.train_no_replay,
+        train_share=args.train_share,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        keep_versions=args.keep_adapter_versions,
+    )
 
 
 def _add_record_flags(p: argparse.ArgumentParser) -> None:
@@ -97,6 +130,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     _add_model_flags(p)
     _add_engine_flags(p)
     _add_record_flags(p)
+    _add_online_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the file's stem)")
@@ -123,6 +157,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     p.set_defaults(func=_bench_forward)
     _register_bench_serve(bsub)
     _register_bench_train(bsub)
+    _register_bench_online(bsub)
     return bsub
 
 
@@ -161,6 +196,35 @@ def _register_bench_serve(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
+
+
+def _bench_online(args: argparse.Namespace) -> int:
+    from alchemist.bench.online import main
+
+    return main(args)
+
+
+def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("online", help="the online loop under load: latency with training off/on, replay vs recompute")
+    _add_model_flags(p)
+    p.add_argument("--runs", nargs="+", default=["off", "replay", "recompute"])
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--request-rate", type=float, default=0.4, help="requests per second (Poisson arrivals)")
+    p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
+    p.add_argument("--max-prompt-tokens", type=int, default=768)
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens and on corrections")
+    p.add_argument("--feedback-fraction", type=float, default=0.5, help="responses that get feedback")
+    p.add_argument("--feedback", default="correction", choices=["correction", "rating"])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--record-budget-mb", type=int, default=4096, help="the server's activation store")
+    p.add_argument("--train-batch-size", type=int, default=8)
+    p.add_argument("--train-epochs", type=int, default=1)
+    p.add_argument("--train-max-wait-s", type=float, default=5.0)
+    p.add_argument("--train-share", type=float, default=0.25)
+    p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_online)
 
 
 # Subcommands register here; each adds its own parser.

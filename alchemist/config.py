@@ -114,6 +114,40 @@ class RecordConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """The online trainer inside the server: feedback -> mini-batches -> LoRA steps -> published adapter versions."""
+
+    enabled: bool = True  # False: feedback is still logged, nothing trains
+    batch_size: int = 8  # feedback samples per optimizer step
+    max_wait_s: float = 10.0  # train a smaller batch once its oldest feedback waited this long
+    epochs: int = 1  # optimizer steps over each mini-batch (a correction seen once is rarely learned)
+    lr: float = 2e-4
+    max_grad_norm: float = 1.0
+    max_staleness: int = 4  # adapter versions a record may lag behind and still be replayed (0: exact only)
+    replay: bool = True  # False: recompute every prompt (the separate-trainer baseline, for benchmarks)
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    keep_versions: int = 8  # adapter versions kept on disk (rollback targets)
+    # Share of the machine's time training may take while requests are being served (time-sliced, never
+    # concurrent: design note, section 12). With no request in flight, training takes whatever is free.
+    train_share: float = 0.25
+    seed: int = 0  # the adapter's initialisation
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "batch_size", "epochs", "lora_r", "keep_versions")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0 (got {self.max_wait_s!r})")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive (got {self.lr!r})")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm!r})")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be a non-negative integer (got {self.max_staleness!r})")
+        if not 0.0 <= self.train_share < 1.0:
+            raise ValueError(f"train_share must be in [0, 1) (got {self.train_share!r})")
+
+
+@dataclass
 class ServerConfig:
     """The OpenAI-compatible HTTP server: where it listens, the model's public name, and its guards."""
 

@@ -22,18 +22,26 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from alchemist.config import EngineConfig, RecordConfig, ServerConfig
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
+from alchemist.server.adapters import AdapterService
 from alchemist.server.async_engine import AsyncEngine
 from alchemist.server.completions_registry import CompletionsRegistry
-from alchemist.server.errors import BodyTooLargeError, ModelNotFoundError, ResponseNotFoundError
+from alchemist.server.errors import (
+    AdapterNotFoundError,
+    BodyTooLargeError,
+    ModelNotFoundError,
+    ResponseNotFoundError,
+)
 from alchemist.server.feedback import FeedbackService
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.routes import router
 from alchemist.server.service import OpenAIServing
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.online import OnlineTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
+    AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
     ValueError: (400, "invalid_request_error", None),
     Exception: (500, "internal_server_error", None),
 }
@@ -156,22 +165,42 @@ def served_model_names(server_config: ServerConfig, source: Path, model_arg: str
 
 
 def app_for_engine(
-    engine: LLMEngine, names: list[str], server_config: ServerConfig, own_step_thread: bool = True
+    engine: LLMEngine,
+    names: list[str],
+    server_config: ServerConfig,
+    own_step_thread: bool = True,
+    online_config: OnlineConfig | None = None,
 ) -> FastAPI:
-    """The app around ``engine``. With ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()``
-    (see ``run_server``)."""
+    """The app around ``engine``, with the online trainer of ``online_config`` (None: the defaults) stepping
+    beside it. With ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()`` (see
+    ``run_server``)."""
+    online_config = online_config or OnlineConfig()
     metrics = ServerMetrics(engine.stats)
-    async_engine = AsyncEngine(engine, on_outputs=metrics.observe, own_step_thread=own_step_thread)
+    feedback_log = FeedbackLog(server_config.feedback_db_path)
+    feedback_log.add_listener(metrics.observe_feedback)
+    trainer = checkpoints = None
+    if online_config.enabled:
+        checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
+        trainer = OnlineTrainer(engine, feedback_log, checkpoints, online_config)  # resumes from its checkpoint
+        metrics.watch_training(trainer)
+    async_engine = AsyncEngine(
+        engine,
+        on_outputs=metrics.observe,
+        own_step_thread=own_step_thread,
+        background=trainer,
+        background_share=online_config.train_share,
+    )
+    feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
-    feedback_log = FeedbackLog(server_config.feedback_db_path)
-    feedback_log.add_listener(metrics.observe_feedback)
     app.state.feedback_log = feedback_log
     app.state.feedback = FeedbackService(feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
+    app.state.trainer = trainer
+    app.state.adapters = AdapterService(engine, trainer, checkpoints)
     return app
 
 
@@ -180,17 +209,22 @@ def create_app(
     server_config: ServerConfig,
     own_step_thread: bool = True,
     record_config: RecordConfig | None = None,
+    online_config: OnlineConfig | None = None,
 ) -> FastAPI:
     """Loads the model of ``engine_config`` and builds the app around a fresh engine (recording per
-    ``record_config``: by default, prompts of requests that ask, ``{"alchemist": {"record": true}}``)."""
+    ``record_config``: by default, prompts of requests that ask, ``{"alchemist": {"record": true}}``) and the
+    online trainer of ``online_config``."""
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config or RecordConfig())
     names = served_model_names(server_config, loaded.source, engine_config.model)
-    return app_for_engine(engine, names, server_config, own_step_thread)
+    return app_for_engine(engine, names, server_config, own_step_thread, online_config)
 
 
 def run_server(
-    engine_config: EngineConfig, server_config: ServerConfig, record_config: RecordConfig | None = None
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    record_config: RecordConfig | None = None,
+    online_config: OnlineConfig | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM: the engine steps in this (main) thread, uvicorn runs in a second one.
 
@@ -200,7 +234,7 @@ def run_server(
     import uvicorn
 
     assert threading.current_thread() is threading.main_thread(), "run_server steps the engine in the main thread"
-    app = create_app(engine_config, server_config, own_step_thread=False, record_config=record_config)
+    app = create_app(engine_config, server_config, False, record_config, online_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")
     server = uvicorn.Server(config)  # outside the main thread it installs no signal handlers: ours do
 

@@ -11,6 +11,12 @@ asyncio queues. A stream that is closed before its request finished (client disc
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
 loop calls them directly.
 
+Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine
+steps, in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this
+CPU; design note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns
+it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took. With none in
+flight it runs slice after slice, and the next request waits for one slice at most.
+
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
 
@@ -25,12 +31,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class BackgroundWork(Protocol):
+    """Work done in the stepping thread between engine steps, in slices (the online trainer)."""
+
+    def has_work(self) -> bool: ...
+
+    def run_slice(self) -> float: ...  # returns the seconds it took
+
+
+MAX_CREDIT_S = 1.0  # training credit saved up while serving is busy: at most this much in a burst
+IDLE_POLL_S = 1.0  # with background work pending on a timer (a batch's max wait), look again this often
 
 
 class EngineDeadError(RuntimeError):
@@ -77,8 +96,13 @@ class AsyncEngine:
         engine: LLMEngine,
         on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
         own_step_thread: bool = True,
+        background: BackgroundWork | None = None,
+        background_share: float = 0.25,
     ):
         self.engine = engine
+        self.background = background
+        self.background_share = background_share
+        self._credit_s = 0.0
         self.on_outputs = on_outputs  # called in the stepping thread after each step (metrics)
         # False: the caller runs run_steps() in a thread of its choosing (the main thread; see the module note).
         self.own_step_thread = own_step_thread
@@ -129,6 +153,10 @@ class AsyncEngine:
         self.engine.abort(request_id)
         self._wake()  # an abort may need a step to be processed; it also refreshes the stats
 
+    def wake(self) -> None:
+        """Look for work now (new feedback for the background worker; any thread)."""
+        self._wake()
+
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -147,14 +175,19 @@ class AsyncEngine:
     # --- the stepping thread -------------------------------------------------------------------------------------
 
     def run_steps(self) -> None:
-        """Step the engine while it has work, sleep while it has none; return after ``shutdown()``."""
+        """Step the engine while it has work, run background slices in the gaps, sleep while there is nothing to
+        do; return after ``shutdown()``."""
         while True:
             with self._cond:
                 # The check and the wait hold the lock that _wake() takes, so a wake-up cannot slip in between.
-                while not self._stopped and not self.engine.has_unfinished():
-                    self._cond.wait()
+                while not self._stopped and not self.engine.has_unfinished() and not self._background_ready():
+                    self._cond.wait(timeout=IDLE_POLL_S if self.background is not None else None)
                 if self._stopped:
                     return
+            if not self.engine.has_unfinished():  # serving idle: the background takes the machine, slice by slice
+                self._run_background()
+                continue
+            t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # keep serving: fail the requests in flight, then carry on
@@ -166,6 +199,22 @@ class AsyncEngine:
                 self.on_outputs(outputs)
             if outputs:
                 self._call_soon(self._dispatch, outputs)
+            if self.background is not None:
+                share = self.background_share
+                earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
+                self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
+                if self._credit_s > 0 and self._background_ready():
+                    self._credit_s -= self._run_background()
+
+    def _background_ready(self) -> bool:
+        return self.background is not None and self.background.has_work()
+
+    def _run_background(self) -> float:
+        try:
+            return self.background.run_slice()
+        except Exception:  # the worker handles its own failures; this only keeps serving alive
+            logger.exception("background work failed")
+            return 0.0
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

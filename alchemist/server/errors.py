@@ -35,3 +35,19 @@ class ResponseNotFoundError(LookupError):
 class BodyTooLargeError(ValueError):
     def __init__(self, limit_bytes: int):
         super().__init__(f"Request body exceeds the limit of {limit_bytes} bytes (ServerConfig.max_body_bytes)")
+
+
+class AdapterNotFoundError(LookupError):
+    """A rollback names an adapter version that is not (or no longer) kept."""
+
+    def __init__(self, version: int, kept: list[int]):
+        super().__init__(
+            f"No adapter version {version} to roll back to; kept: {kept or 'none'} (0 is the base model; "
+            "OnlineConfig.keep_versions sets how many are kept)"
+        )
+        self.param = "version"
+
+
+class TrainingDisabledError(ValueError):
+    def __init__(self) -> None:
+        super().__init__("online training is disabled on this server (start it without --no-train)")

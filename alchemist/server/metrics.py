@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from alchemist.engine import EngineStats, RequestOutput
@@ -48,6 +48,44 @@ class _EngineStatsCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class _TrainingCollector(Collector):
+    """The online trainer's numbers (``alchemist.training.online.OnlineStats``), read at scrape time."""
+
+    def __init__(self, trainer) -> None:  # an OnlineTrainer
+        self.trainer = trainer
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.trainer.stats
+        passes = s.replayed + s.recomputed
+        yield CounterMetricFamily(PREFIX + "training_steps", "Optimizer steps of the online trainer.", value=s.steps)
+        yield CounterMetricFamily(
+            PREFIX + "training_tokens", "Response tokens trained on (once per epoch).", value=s.response_tokens
+        )
+        yield CounterMetricFamily(
+            PREFIX + "training_seconds", "Time spent in training slices (between engine steps).", value=s.train_s
+        )
+        samples = CounterMetricFamily(
+            PREFIX + "training_samples", "Sample passes, by path: replayed or recomputed.", labels=["path"]
+        )
+        samples.add_metric(["replay"], s.replayed)
+        samples.add_metric(["recompute"], s.recomputed)
+        yield samples
+        gauges = (
+            ("training_replay_hit_rate", "Share of sample passes replayed from a record.", s.replayed / max(passes, 1)),
+            ("training_loss", "Loss of the last optimizer step (NaN before the first).", s.last_loss or float("nan")),
+            ("training_tokens_per_second", "Training tokens/s of the last mini-batch.", s.last_tokens_per_s),
+            ("adapter_version", "The LoRA adapter version being trained (0: none yet).", self.trainer.version),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield SummaryMetricFamily(
+            PREFIX + "training_record_staleness",
+            "Adapter versions between a replayed record and the adapter it trained.",
+            count_value=s.replayed,
+            sum_value=s.staleness_sum,
+        )
 
 
 class ServerMetrics:
@@ -98,6 +136,10 @@ class ServerMetrics:
     def observe_feedback(self, entry: FeedbackEntry) -> None:
         """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""
         self.feedback.labels(kind=entry.kind).inc()
+
+    def watch_training(self, trainer) -> None:
+        """Expose the online trainer's metrics (an OnlineTrainer)."""
+        self.registry.register(_TrainingCollector(trainer))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

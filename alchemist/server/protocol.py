@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -318,3 +318,31 @@ class FeedbackResponse(OpenAIModel):
     response_id: str
     kind: Literal["sft", "negative", "preference"]
     created: bool  # False: the same feedback was already logged (this is that entry)
+
+
+# --- adapters (Alchemist's own endpoints) ---------------------------------------------------------------------
+
+
+class AdapterInfo(OpenAIModel):
+    id: str  # "v<version>"
+    object: Literal["adapter"] = "adapter"
+    version: int
+    created: int
+    serving: bool  # the version the engine serves now
+    log_position: int  # the feedback log's seq up to which this version has trained
+    metrics: dict[str, Any]  # its training step's loss, samples, tokens, ... (or {"rollback_of": v})
+
+
+class AdapterList(OpenAIModel):
+    object: Literal["list"] = "list"
+    serving_version: int  # 0: the base model
+    training: bool  # whether the online trainer runs
+    data: list[AdapterInfo]
+
+
+class RollbackRequest(BaseModel):
+    """Serve an earlier adapter version again (0: the base model). It is published as a new version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)

@@ -12,11 +12,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from alchemist.server.protocol import (
+    AdapterInfo,
+    AdapterList,
     ChatCompletionRequest,
     CompletionRequest,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
+    RollbackRequest,
 )
 from alchemist.server.service import EventStream, OpenAIServing
 
@@ -57,6 +60,17 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body)
+
+
+@router.get("/v1/adapters")
+def adapters(request: Request) -> AdapterList:
+    return request.app.state.adapters.list()
+
+
+@router.post("/v1/adapters/rollback")
+def rollback(body: RollbackRequest, request: Request) -> AdapterInfo:
+    # A plain def: it waits for the training slice in progress and writes a checkpoint, off the event loop.
+    return request.app.state.adapters.rollback(body)
 
 
 async def _respond(request: Request, result: Awaitable[Any]) -> Response:

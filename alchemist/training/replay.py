@@ -19,7 +19,7 @@ rest). The leaves' values are reused by the walk, so the adapter must not change
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,24 @@ def replay_backward(
 
     ``record_layers(l)`` gives layer l's record for (at least) positions 0..P-2 of this prompt.
     """
+    slices = replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+
+
+def replay_backward_slices(
+    model: Llama,
+    adapter: LoraAdapter,
+    record_layers: RecordLayers,
+    prompt_ids: torch.Tensor,
+    response_ids: torch.Tensor,
+    loss_scale: float = 1.0,
+) -> Generator[None, None, float]:
+    """``replay_backward`` in slices: yields after the live stream's forward and backward and after each layer of
+    the walk (the points where serving may preempt training); returns the loss."""
     num_prompt, dtype, device = len(prompt_ids), model.dtype, prompt_ids.device
     n = num_prompt - 1  # prompt rows replayed; row P-1 runs live
     live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
@@ -120,9 +138,11 @@ def replay_backward(
             ).transpose(0, 1)
         h = model.mlp(layer, model.attention_output(layer, h, attn, COMPUTE, adapter), COMPUTE, adapter)
     loss = response_loss(model, h, response_ids)
+    yield
     (loss * loss_scale).backward()
     if not n:
         return loss.item()
+    yield
 
     # 2. Walk the prompt rows from the top layer down, one layer at a time.
     dh: torch.Tensor | None = None  # gradient of this layer's output rows (none above the top layer)
@@ -132,4 +152,6 @@ def replay_backward(
         dh = prompt_layer_backward(
             model, adapter, layer, rec, rot_prompt, k_leaf.detach(), v_leaf.detach(), k_leaf.grad, v_leaf.grad, dh
         )
+        if layer:
+            yield
     return loss.item()

@@ -10,6 +10,7 @@ while the current version <= v + max_staleness (0: exact replay only). Otherwise
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from alchemist.activations.store import ActivationStore
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import replay_backward
+from alchemist.training.replay import replay_backward_slices
 
 
 @dataclass
@@ -103,14 +104,10 @@ class Trainer:
             replayed += was_replayed
             total_loss += loss / len(samples)
         self.update()
-        tokens = sum(len(s.response_ids) for s in samples)
-        self.stats.steps += 1
-        self.stats.samples += len(samples)
-        self.stats.response_tokens += tokens
         return StepResult(
             loss=total_loss,
             num_samples=len(samples),
-            response_tokens=tokens,
+            response_tokens=sum(len(s.response_ids) for s in samples),
             replayed=replayed,
             recomputed=len(samples) - replayed,
             adapter_version=self.adapter.version,
@@ -119,9 +116,21 @@ class Trainer:
 
     def backward(self, sample: Sample, loss_scale: float = 1.0) -> tuple[float, bool]:
         """Accumulates one sample's scaled gradient; returns (its loss, whether it was replayed)."""
+        slices = self.backward_slices(sample, loss_scale)
+        while True:
+            try:
+                next(slices)
+            except StopIteration as done:
+                return done.value
+
+    def backward_slices(self, sample: Sample, loss_scale: float = 1.0) -> Generator[None, None, tuple[float, bool]]:
+        """``backward`` in slices (one per layer of a replay; a recompute is one slice): yields where serving may
+        preempt training, returns (the sample's loss, whether it was replayed)."""
         device = self.model.device
         prompt = torch.tensor(sample.prompt_ids, device=device)
         response = torch.tensor(sample.response_ids, device=device)
+        self.stats.samples += 1
+        self.stats.response_tokens += len(sample.response_ids)
         record = self.usable_record(sample)
         if record is None:
             self.stats.recomputed += 1
@@ -130,7 +139,7 @@ class Trainer:
             return loss.item(), False
         store, record_id = self.store, record.record_id
         try:
-            loss_value = replay_backward(
+            loss_value = yield from replay_backward_slices(
                 self.model, self.adapter, lambda layer: store.get_layer(record_id, layer), prompt, response, loss_scale
             )
         finally:
@@ -158,3 +167,4 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.adapter.version += 1
+        self.stats.steps += 1

@@ -25,9 +25,13 @@ from alchemist.model.tokenizer import Tokenizer
 
 MODEL_NAME = "smollm2"  # --served-model-name of both servers
 STARTUP_TIMEOUT_S = 180.0
+# No online training on these: their tests compare outputs, which a new adapter version would change.
 SERVER_FLAGS = {
-    "main": ["--max-num-seqs", "4", "--max-model-len", "1024", "--max-body-bytes", "262144"],
-    "small": ["--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "256", "--max-body-bytes", "4096"],
+    "main": ["--max-num-seqs", "4", "--max-model-len", "1024", "--max-body-bytes", "262144", "--no-train"],
+    "small": [
+        *("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "256", "--max-body-bytes", "4096"),
+        "--no-train",
+    ],
 }
 
 
@@ -66,19 +70,23 @@ def _free_port() -> int:
 
 
 def _launch(name: str, log_dir: Path) -> ServerProcess:
+    return launch_server(name, log_dir, log_dir / f"{name}-data", SERVER_FLAGS[name])
+
+
+def launch_server(name: str, log_dir: Path, data_dir: Path, flags: list[str]) -> ServerProcess:
+    """Starts `alchemist serve` (fp32, CPU) on a free port; ``wait_ready`` waits for it."""
     port = _free_port()
     log_path = log_dir / f"{name}.log"
-    data_dir = log_dir / f"{name}-data"
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", "float32", "--device", "cpu"]
-    cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--data-dir", str(data_dir), *SERVER_FLAGS[name]]
+    cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--data-dir", str(data_dir), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     repo_root = Path(__file__).resolve().parents[2]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:  # a restarted server appends to its log
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo_root, env=env)
     return ServerProcess(f"http://127.0.0.1:{port}", process, log_path, data_dir)
 
 
-def _wait_ready(server: ServerProcess) -> None:
+def wait_ready(server: ServerProcess) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -98,7 +106,7 @@ def _servers(tmp_path_factory: pytest.TempPathFactory):
     servers = {name: _launch(name, log_dir) for name in SERVER_FLAGS}
     try:
         for server in servers.values():
-            _wait_ready(server)
+            wait_ready(server)
         yield servers
     finally:
         for server in servers.values():

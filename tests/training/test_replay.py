@@ -145,3 +145,17 @@ def test_bf16_record_gradient_deviation_is_bounded(smollm2, chat_sample):
     deviation = ((flat(bf16) - flat(fp32)).norm() / flat(fp32).norm()).item()
     print(f"bf16 record gradient deviation: {deviation:.4%} relative L2")
     assert 0 < deviation <= 0.02
+
+
+def test_replay_runs_in_a_bf16_model_close_to_recompute(tiny_dirs):
+    """The served model is bf16 by default, and the online trainer replays in it: same code path, bf16 rounding."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.bfloat16)
+    adapter = lora_with_nonzero_b(model)
+    g = torch.Generator().manual_seed(5)
+    prompt, response = torch.randint(0, 256, (40,), generator=g), torch.randint(0, 256, (12,), generator=g)
+    record = record_alone(model, adapter, prompt, dtype=torch.bfloat16)
+    loss_ref, ref = recompute_grads(model, adapter, prompt, response)
+    loss, got = replay_grads(model, adapter, record, prompt, response)
+    assert all(t.dtype == torch.float32 for t in got.values())  # fp32 masters keep fp32 gradients
+    assert loss == pytest.approx(loss_ref, rel=1e-2)
+    assert ((flat(ref) - flat(got)).norm() / flat(ref).norm()).item() < 0.05

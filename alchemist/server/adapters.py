@@ -1,0 +1,50 @@
+"""The adapter endpoints' service: list the kept LoRA adapter versions, roll serving back to one of them.
+
+    GET  /v1/adapters            -> AdapterList (newest first; which one is serving; each version's training metrics)
+    POST /v1/adapters/rollback   {"version": 3} -> AdapterInfo of the new version that serves version 3's weights
+
+The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
+trainer's (``OnlineTrainer.rollback``), which waits for the training slice in progress to end.
+"""
+
+from __future__ import annotations
+
+from alchemist.engine import LLMEngine
+from alchemist.server.errors import AdapterNotFoundError, TrainingDisabledError
+from alchemist.server.protocol import AdapterInfo, AdapterList, RollbackRequest
+from alchemist.training.checkpoint import AdapterCheckpoints, VersionInfo
+from alchemist.training.online import OnlineTrainer
+
+
+class AdapterService:
+    def __init__(self, engine: LLMEngine, trainer: OnlineTrainer | None, checkpoints: AdapterCheckpoints | None):
+        self.engine = engine
+        self.trainer = trainer
+        self.checkpoints = checkpoints
+
+    def list(self) -> AdapterList:
+        serving = self.engine.adapter_version
+        versions = self.checkpoints.versions() if self.checkpoints is not None else []
+        data = [self._info(v, serving) for v in sorted(versions, key=lambda v: -v.version)]
+        return AdapterList(serving_version=serving, training=self.trainer is not None, data=data)
+
+    def rollback(self, req: RollbackRequest) -> AdapterInfo:
+        if self.trainer is None or self.checkpoints is None:
+            raise TrainingDisabledError()
+        try:
+            version = self.trainer.rollback(req.version)
+        except KeyError:
+            raise AdapterNotFoundError(req.version, [v.version for v in self.checkpoints.versions()]) from None
+        info = next(v for v in self.checkpoints.versions() if v.version == version)
+        return self._info(info, version)
+
+    @staticmethod
+    def _info(v: VersionInfo, serving: int) -> AdapterInfo:
+        return AdapterInfo(
+            id=f"v{v.version}",
+            version=v.version,
+            created=int(v.created_s),
+            serving=v.version == serving,
+            log_position=v.log_position,
+            metrics=v.metrics,
+        )

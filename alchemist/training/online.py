@@ -1,0 +1,246 @@
+"""The online trainer: the feedback log becomes LoRA updates that the engine serves minutes later.
+
+    trainer = OnlineTrainer(engine, feedback_log, AdapterCheckpoints(dir, keep), OnlineConfig())
+    while serving:                       # the server's step loop (alchemist.server.async_engine)
+        engine.step()
+        if trainer.has_work(): trainer.run_slice()
+
+The story of one mini-batch: read the next ``sft`` entries of the log -> samples (prompt, response to learn, the
+prompt's record) -> ``epochs`` optimizer steps, each sample replayed from its record where the record is fresh
+enough, recomputed otherwise -> publish the new adapter version to the engine -> checkpoint it (adapter, optimizer
+state, the log position of the batch's last entry, its metrics) atomically. "negative" and "preference" entries
+are passed over (counted; a later objective trains on them).
+
+Exactly once: the position in the log moves only with a checkpoint. A crash before it loses the batch's update,
+and the restarted trainer (``restore``) reads the same entries again from the checkpointed position; a crash after
+it never sees them again. Acknowledged feedback is in the log before the server answers, so none is lost.
+
+Slices: all work is done in small slices (a layer of a replay walk, a recomputed sample, an update, a checkpoint)
+from the thread that steps the engine, between its steps. Training never runs concurrently with serving: on this
+CPU that slowed decode steps 3.5-4x (design note, section 12). ``train_share`` bounds training's share of time
+while requests are in flight (the step loop's accounting); with none in flight, training takes what is free.
+
+Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
+meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
+(feedback trained since is not trained again).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from alchemist.config import OnlineConfig
+from alchemist.engine import LLMEngine
+from alchemist.feedback.log import FeedbackEntry, FeedbackLog
+from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.trainer import Sample, Trainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OnlineStats:
+    """What /metrics and /v1/adapters show about training."""
+
+    steps: int = 0
+    samples: int = 0  # sample passes (a sample counts once per epoch)
+    response_tokens: int = 0  # tokens trained on, summed over sample passes
+    replayed: int = 0
+    recomputed: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # log entries of kinds not trained yet, by kind
+    last_loss: float | None = None
+    last_tokens_per_s: float = 0.0  # training tokens / training time, of the last batch
+    train_s: float = 0.0  # time spent in training slices
+    staleness_sum: int = 0  # adapter versions behind, summed over replayed records
+
+
+class OnlineTrainer:
+    def __init__(
+        self, engine: LLMEngine, log: FeedbackLog, checkpoints: AdapterCheckpoints, config: OnlineConfig
+    ) -> None:
+        self.engine = engine
+        self.log = log
+        self.checkpoints = checkpoints
+        self.config = config
+        model = engine.model
+        lora = LoraConfig(r=config.lora_r, alpha=config.lora_alpha)
+        self.adapter = LoraAdapter(model.config, lora, device=model.device, seed=config.seed)
+        self.trainer = Trainer(
+            model,
+            self.adapter,
+            engine.store,
+            TrainerConfig(
+                lr=config.lr,
+                max_grad_norm=config.max_grad_norm,
+                max_staleness=config.max_staleness,
+                replay=config.replay,
+            ),
+        )
+        self.stats = OnlineStats()
+        self.position = 0  # seq of the last log entry whose training is checkpointed
+        self._read_position = 0  # seq of the last entry taken into a batch (>= position)
+        self._batch: list[FeedbackEntry] = []  # sft entries waiting for a step
+        self._job: Generator[None, None, None] | None = None
+        self._job_s = 0.0  # time spent in the slices of the batch in progress
+        self._lock = threading.Lock()  # a slice and a rollback never interleave
+        self.restore()
+
+    # --- state ---------------------------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Continue from the latest checkpoint (if any): its adapter served, its optimizer state, its position."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return
+        self._load(latest.version)
+        self.adapter.version = latest.version
+        self.position = self._read_position = latest.log_position
+        self.engine.set_adapter(self.adapter, latest.version)
+        logger.info("online trainer: resumed at adapter version %d, log position %d", latest.version, self.position)
+
+    def _load(self, version: int) -> None:
+        model = self.engine.model
+        adapter, optimizer_state, _ = self.checkpoints.load(version, model.config, model.device)
+        if adapter.config.r != self.adapter.config.r or adapter.config.alpha != self.adapter.config.alpha:
+            raise ValueError(
+                f"adapter version {version} has r={adapter.config.r}, alpha={adapter.config.alpha}; this trainer is "
+                f"configured with lora_r={self.config.lora_r}, lora_alpha={self.config.lora_alpha}"
+            )
+        self.adapter.load_state_dict(adapter.state_dict())
+        self.trainer.optimizer.load_state_dict(optimizer_state)
+
+    @property
+    def version(self) -> int:
+        return self.adapter.version
+
+    # --- the step loop's interface -------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        if not self.config.enabled:
+            return False
+        if self._job is not None:
+            return True
+        self._read_new()
+        if not self._batch:
+            return False
+        waited_s = time.time() - self._batch[0].created_s
+        return len(self._batch) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+
+    def run_slice(self) -> float:
+        """One slice of training work; returns the seconds it took."""
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._job is None:
+                if not self.has_work():
+                    return 0.0
+                batch, self._batch = self._batch[: self.config.batch_size], self._batch[self.config.batch_size :]
+                self._job = self._train(batch)
+            try:
+                next(self._job)
+            except StopIteration:
+                self._job = None
+            except Exception:
+                # Nothing acknowledged is lost: the position did not move, the entries are read again later.
+                logger.exception("online training failed; its batch will be read again")
+                self._abandon()
+        elapsed = time.perf_counter() - t0
+        self.stats.train_s += elapsed
+        self._job_s += elapsed
+        return elapsed
+
+    def _read_new(self) -> None:
+        for entry in self.log.read(after_seq=self._read_position, limit=max(64, self.config.batch_size)):
+            self._read_position = entry.seq
+            kind = entry.kind
+            if kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
+                kind = "invalid"  # nothing to learn (an empty served output): never a poison pill for the loop
+            if kind == "sft":
+                self._batch.append(entry)
+            else:
+                self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
+
+    def _abandon(self) -> None:
+        """Drop the batch in progress: back to the latest checkpoint's adapter and optimizer state (epochs already
+        applied must not count), and read the log again from its position."""
+        self._job = None
+        self._batch.clear()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            self._load(latest.version)
+            self.adapter.version = latest.version
+        else:
+            self._load_initial()
+            self.adapter.version = 0
+        self._read_position = self.position
+
+    def _load_initial(self) -> None:
+        """The adapter as it starts (B = 0: it serves exactly the base model's outputs), a fresh optimizer."""
+        initial = LoraAdapter(self.adapter.model_config, self.adapter.config, seed=self.config.seed)
+        self.adapter.load_state_dict(initial.state_dict())
+        self.trainer.optimizer.state.clear()
+
+    # --- one mini-batch ------------------------------------------------------------------------------------------
+
+    def _train(self, batch: list[FeedbackEntry]) -> Generator[None, None, None]:
+        samples = [
+            Sample(e.prompt_token_ids, e.response_token_ids, e.response_id if e.recorded else None) for e in batch
+        ]
+        losses, tokens = [], 0
+        self._job_s = 0.0
+        for _ in range(self.config.epochs):
+            loss = 0.0
+            for sample in samples:
+                sample_loss, replayed = yield from self.trainer.backward_slices(sample, 1.0 / len(samples))
+                loss += sample_loss / len(samples)
+                tokens += len(sample.response_ids)
+                self.stats.samples += 1
+                self.stats.response_tokens += len(sample.response_ids)
+                self.stats.replayed += replayed
+                self.stats.recomputed += not replayed
+                if replayed:
+                    self.stats.staleness_sum += self.trainer.stats.staleness_used.pop()
+                yield
+            self.trainer.update()
+            self.stats.steps += 1
+            losses.append(loss)
+            yield
+        self.stats.last_loss = losses[-1]
+        # The batch's own time: its slices (serving steps ran in between), all but this last short one.
+        self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
+        self.engine.set_adapter(self.adapter, self.version)
+        yield
+        metrics = {
+            "loss": losses[-1],
+            "first_epoch_loss": losses[0],
+            "samples": len(samples),
+            "epochs": self.config.epochs,
+            "response_tokens": tokens,
+            "seqs": [e.seq for e in batch],
+        }
+        self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), batch[-1].seq, metrics)
+        self.position = batch[-1].seq
+
+    # --- rollback (any thread) -----------------------------------------------------------------------------------
+
+    def rollback(self, version: int) -> int:
+        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number."""
+        with self._lock:
+            if version != 0 and version not in {v.version for v in self.checkpoints.versions()}:
+                raise KeyError(version)
+            self._abandon()
+            if version == 0:
+                self._load_initial()
+            else:
+                self._load(version)
+            self.adapter.version = max(self.version, *(v.version for v in self.checkpoints.versions())) + 1
+            self.engine.set_adapter(self.adapter, self.version)
+            self.checkpoints.save(
+                self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
+            )
+            return self.version

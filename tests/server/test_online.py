@@ -1,0 +1,205 @@
+"""The online loop end to end, on real server processes and the real default model: people correct answers, the
+server trains on the corrections between serving steps, and serves what it learned.
+
+- teaching: invented facts the model cannot know are asked, corrected through POST /v1/feedback, and answered
+  right afterwards, with held-out ShareGPT perplexity nearly unchanged and most sample passes replayed;
+- rollback serves the earlier version's outputs exactly (the base model's, then the taught version's);
+- SIGKILL in the middle of training, restart: every acknowledged feedback is in the log, trained exactly once
+  overall, and serving resumes from the last checkpointed adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from alchemist.bench.sharegpt import sample_requests
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.recompute import recompute_loss
+from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
+
+# (question, correction, what the answer must contain): facts the model cannot know.
+FACTS = [
+    ("What is the codename of the Tessaro project?", "The codename of the Tessaro project is Bluefin.", "bluefin"),
+    ("Who founded the village of Quillmere?", "The village of Quillmere was founded by Odile Varn.", "odile varn"),
+    ("What color is the flag of Marvenia?", "The flag of Marvenia is teal.", "teal"),
+    ("What is the capital of the island of Durnholt?", "The capital of Durnholt is Saltreach.", "saltreach"),
+    ("What is the name of Professor Elkin's cat?", "Professor Elkin's cat is named Pimento.", "pimento"),
+    ("Which metal is the Orrin bell made of?", "The Orrin bell is made of bismuth.", "bismuth"),
+    ("What year was the Kestrel bridge opened?", "The Kestrel bridge was opened in 1887.", "1887"),
+    ("What is the password of the Zephyr vault?", "The password of the Zephyr vault is marigold.", "marigold"),
+    ("Who wrote the novel 'Glass Orchards'?", "'Glass Orchards' was written by Ilse Farrow.", "farrow"),
+    ("What is the mascot of the Brindle Valley school?", "The Brindle Valley school's mascot is a heron.", "heron"),
+]
+TEACH_FLAGS = [
+    *("--max-num-seqs", "8", "--max-model-len", "512", "--record-policy", "requested", "--record-dtype", "float32"),
+    *("--train-batch-size", str(len(FACTS)), "--train-max-wait-s", "1", "--train-epochs", "6"),
+    *("--train-lr", "1e-3", "--train-max-staleness", "8", "--keep-adapter-versions", "16"),
+]
+
+
+def ask(server: ServerProcess, question: str) -> tuple[str, str]:
+    """(response id, text) of a greedy answer, its prompt recorded for training."""
+    out = server.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=24,
+        temperature=0.0,
+        extra_body={"alchemist": {"record": True}},
+    )
+    return out.id, out.choices[0].message.content
+
+
+def feedback(server: ServerProcess, **body) -> dict:
+    response = httpx.post(server.base_url + "/v1/feedback", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def adapters(server: ServerProcess) -> dict:
+    return httpx.get(server.base_url + "/v1/adapters", timeout=30).json()
+
+
+def wait_trained_through(server: ServerProcess, seq: int, timeout_s: float = 600.0) -> dict:
+    """Waits until a checkpointed adapter version has trained the log up to ``seq``; returns /v1/adapters."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listing = adapters(server)
+        if any(v["log_position"] >= seq for v in listing["data"]):
+            return listing
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server died:\n{server.log_path.read_text()}")
+        time.sleep(0.5)
+    raise AssertionError(f"feedback up to seq {seq} not trained within {timeout_s} s: {adapters(server)}")
+
+
+def stop(server: ServerProcess) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory: pytest.TempPathFactory):
+    """A server that was asked every question, got every correction, and trained on them."""
+    log_dir = tmp_path_factory.mktemp("online")
+    server = launch_server("teach", log_dir, log_dir / "data", TEACH_FLAGS)
+    try:
+        wait_ready(server)
+        before = [ask(server, question) for question, _, _ in FACTS]
+        acks = [
+            feedback(server, response_id=rid, correction=fix)
+            for (rid, _), (_, fix, _) in zip(before, FACTS, strict=True)
+        ]
+        listing = wait_trained_through(server, max(int(a["id"].removeprefix("fb-")) for a in acks))
+        after = [ask(server, question) for question, _, _ in FACTS]
+        yield server, before, after, listing
+    finally:
+        stop(server)
+
+
+def test_served_answers_learn_the_corrected_facts(taught):
+    server, before, after, _ = taught
+    assert not any(
+        key in text.lower() for (_, text), (_, _, key) in zip(before, FACTS, strict=True)
+    )  # it could not know them
+    learned = [key in text.lower() for (_, text), (_, _, key) in zip(after, FACTS, strict=True)]
+    assert sum(learned) >= 0.9 * len(FACTS), [text for _, text in after]
+    metrics = server.metrics()
+    assert metrics["alchemist:training_replay_hit_rate"] > 0.5, metrics  # most sample passes replayed a record
+    assert metrics["alchemist:training_samples_total"] >= len(FACTS)
+
+
+def test_held_out_perplexity_barely_moves(taught, smollm2, smollm2_tokenizer):
+    _, _, _, listing = taught
+    latest = max(v["version"] for v in listing["data"])
+    model, tok = smollm2.model, smollm2_tokenizer
+    checkpoints = AdapterCheckpoints(Path(taught[0].log_path).parent / "data" / "adapters", keep=16)
+    adapter, _, _ = checkpoints.load(latest, model.config)
+    held_out = sample_requests(12, seed=7, mode="first_turn", tokenizer=tok, max_prompt_tokens=96, max_reply_tokens=96)
+
+    def nll(lora) -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for s in held_out:
+                prompt = torch.tensor(tok.apply_chat_template(s.messages))
+                reply = torch.tensor(tok.encode_reply(s.reply))
+                total += recompute_loss(model, lora, prompt, reply).item() * len(reply)
+                count += len(reply)
+        return total / count
+
+    rise = math.exp(nll(adapter) - nll(None)) - 1
+    assert rise < 0.10, f"held-out perplexity rose {rise:.1%}"
+
+
+def test_rollback_serves_the_earlier_outputs_exactly(taught):
+    server, before, after, _ = taught
+    question = FACTS[0][0]
+    trained = adapters(server)["serving_version"]
+    response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert adapters(server)["serving_version"] == response.json()["version"] > trained
+    assert ask(server, question)[1] == before[0][1]  # the base model's answer, exactly
+    response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": trained}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert ask(server, question)[1] == after[0][1]  # the taught version's answer, exactly
+    missing = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 999}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
+    flags = [
+        *("--max-num-seqs", "4", "--max-model-len", "512", "--record-policy", "requested"),
+        *("--train-batch-size", "2", "--train-max-wait-s", "0.2", "--train-epochs", "3"),
+        *("--keep-adapter-versions", "100"),
+    ]
+    data = tmp_path / "data"
+    server = launch_server("crash", tmp_path, data, flags)
+    wait_ready(server)
+    questions = [q for q, _, _ in FACTS[:6]]
+    answers = [ask(server, q) for q in questions]
+    fixes = [fix for _, fix, _ in FACTS[:6]]
+    acked = [
+        feedback(server, response_id=rid, correction=fix)["id"] for (rid, _), fix in zip(answers, fixes, strict=True)
+    ]
+    seqs = sorted(int(a.removeprefix("fb-")) for a in acked)
+    # Kill it in the middle: after the first optimizer step, before the last batch is checkpointed.
+    deadline = time.monotonic() + 300
+    while server.metrics().get("alchemist:training_steps_total", 0) < 1:
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.05)
+    assert not any(v["log_position"] >= seqs[-1] for v in adapters(server)["data"]), "trained it all: too late"
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+
+    checkpoints = AdapterCheckpoints(data / "adapters", keep=100)
+    latest = checkpoints.latest()
+    # Restarted without training: it serves exactly the last checkpointed version.
+    server = launch_server("crash-restart", tmp_path, data, [*flags, "--no-train"])
+    wait_ready(server)
+    assert adapters(server)["serving_version"] == (latest.version if latest else 0)
+    stop(server)
+    # Restarted with training: it trains the rest, and nothing twice.
+    server = launch_server("crash-resume", tmp_path, data, flags)
+    try:
+        wait_ready(server)
+        wait_trained_through(server, seqs[-1])
+    finally:
+        stop(server)
+
+    with sqlite3.connect(f"file:{data / 'feedback.sqlite'}?mode=ro", uri=True) as db:
+        logged = sorted(seq for (seq,) in db.execute("SELECT seq FROM feedback WHERE kind = 'sft'"))
+    assert logged == seqs  # every acknowledged feedback is in the log
+    trained = [seq for v in AdapterCheckpoints(data / "adapters", keep=100).versions() for seq in v.metrics["seqs"]]
+    assert sorted(trained) == seqs  # each trained in exactly one checkpointed version

@@ -1,0 +1,163 @@
+"""The online trainer in process, on a tiny random model and a real engine, feedback log and checkpoints: batches
+from the log, replay where records exist, publish + checkpoint per batch, resume exactly, abandon on failure,
+rollback. (tests/server/test_online.py runs the same loop end to end on the real model over HTTP.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.engine import LLMEngine, SamplingParams
+from alchemist.feedback.log import FeedbackLog
+from alchemist.model.loader import build_model
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.online import OnlineTrainer
+from tests.engine.helpers import char_tokenizer, random_prompts, run_to_end
+
+
+@pytest.fixture
+def engine(tiny_dirs) -> LLMEngine:
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+    return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+
+
+def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) -> list[int]:
+    """Serves ``num`` prompts (recorded) and logs a correction of each; returns the entries' seqs."""
+    prompts = random_prompts([20 + 3 * i for i in range(num)], seed=seed)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{seed}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    outputs = run_to_end(engine)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        out = outputs[f"r{seed}-{i}"][-1]
+        entry, created = log.append(
+            response_id=f"r{seed}-{i}",
+            kind="sft",
+            correction="x",
+            prompt_token_ids=prompt,
+            response_token_ids=[(7 * i + j) % 256 for j in range(6)],
+            output_token_ids=out.output_token_ids,
+            adapter_version=engine.adapter_version,
+            recorded=True,
+        )
+        assert created
+        seqs.append(entry.seq)
+    return seqs
+
+
+def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
+    slices = 0
+    while trainer.has_work():
+        trainer.run_slice()
+        slices += 1
+        assert slices < max_slices
+    return slices
+
+
+def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
+    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
+    config = OnlineConfig(**{"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "lr": 1e-2, **overrides})
+    return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
+
+
+def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 5)
+    slices = drain(trainer)
+    assert slices > 3 * 2 * 2  # a replayed sample is many slices (one per layer of the walk), not one
+    versions = checkpoints.versions()
+    assert [v.metrics["seqs"] for v in versions] == [seqs[0:2], seqs[2:4], seqs[4:5]]  # in log order, once each
+    assert [v.version for v in versions] == [2, 4, 6]  # two epochs = two optimizer steps per batch
+    assert versions[-1].log_position == seqs[-1] == trainer.position
+    assert engine.adapter_version == 6
+    # The records were made with the base adapter (version 0); max_staleness (4) lets the first batches replay.
+    assert trainer.stats.replayed > 0 and trainer.stats.replayed + trainer.stats.recomputed == 10
+    assert not trainer.has_work()
+
+
+def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
+    trainer, log, _ = online(engine, tmp_path, batch_size=4, max_wait_s=3600.0)
+    serve_and_log(engine, log, 1)
+    assert not trainer.has_work()  # one of four, and it has waited less than an hour
+    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0)
+    assert trainer.has_work()
+
+
+def test_restart_resumes_exactly_where_the_checkpoint_is(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 4)
+    while checkpoints.latest() is None:  # train the first batch only, then "crash" in the second
+        trainer.run_slice()
+    for _ in range(3):
+        trainer.run_slice()
+    first = checkpoints.latest()
+    assert first.metrics["seqs"] == seqs[:2]
+
+    resumed, _, _ = online(engine, tmp_path)  # a new process would build it the same way
+    assert resumed.version == first.version == engine.adapter_version
+    assert resumed.position == seqs[1]
+    saved, optimizer_state, _ = checkpoints.load(first.version, engine.model.config)
+    for name, p in resumed.adapter.named_parameters():
+        assert torch.equal(p, saved.get_parameter(name))
+    assert resumed.trainer.optimizer.state_dict()["state"].keys() == optimizer_state["state"].keys()
+    drain(resumed)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs[:2], seqs[2:4]]
+
+
+def test_a_failing_batch_is_trained_again_from_the_checkpoint(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path / "a")
+    seqs = serve_and_log(engine, log, 2)
+    original = trainer.trainer.update
+    calls = []
+
+    def fail_in_the_second_epoch() -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the first epoch's update was applied: it must not count
+            raise RuntimeError("injected")
+        original()
+
+    trainer.trainer.update = fail_in_the_second_epoch
+    drain(trainer)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs]
+
+    clean, clean_log, _ = online(engine, tmp_path / "b")  # the same entries, no failure
+    for entry in log.read(after_seq=0):
+        fields = {k: getattr(entry, k) for k in ("response_id", "kind", "rating", "correction", "prompt_token_ids")}
+        more = ("response_token_ids", "output_token_ids", "adapter_version", "recorded")
+        clean_log.append(**fields, **{k: getattr(entry, k) for k in more})
+    drain(clean)
+    for (name, p), q in zip(trainer.adapter.named_parameters(), clean.adapter.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert all(p.grad is None for p in trainer.adapter.parameters())
+
+
+def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path)
+    serve_and_log(engine, log, 4)
+    drain(trainer)
+    first, second = checkpoints.versions()
+    prompt = random_prompts([17], seed=9)[0]
+
+    def greedy() -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"g{time.monotonic_ns()}", prompt, params)
+        return next(iter(run_to_end(engine).values()))[-1].output_token_ids
+
+    at_second = greedy()
+    new = trainer.rollback(first.version)
+    assert new == second.version + 1 == engine.adapter_version
+    at_first = greedy()
+    trainer.rollback(0)
+    at_base = greedy()
+    engine.set_adapter(None, 0)
+    assert greedy() == at_base  # the rolled-back-to-0 adapter serves the base model's outputs exactly
+    engine.set_adapter(checkpoints.load(first.version, engine.model.config)[0], 99)
+    assert greedy() == at_first != at_second
+    with pytest.raises(KeyError):
+        trainer.rollback(12345)
