@@ -2,14 +2,15 @@
 
 ``ServedAdapter(adapter, model_dtype, device)`` copies the adapter's A and B (``LoraAdapter.module_tensors``, so
 PEFT's per-module view): the trainer may go on updating its own adapter in place, and what is served never
-changes. Per layer and fused projection it keeps ``A^T`` (in, parts*r) and one block-diagonal ``B^T``
-(parts*r, fused out; zero blocks where a part is not targeted), so a delta is two matmuls instead of one per part
-and a concatenation: ``delta = (scaling * x @ A^T) @ B^T``, the same sum as ``LoraAdapter.delta``.
+changes. Per layer and fused projection it keeps ``scaling * A^T`` (in, parts*r) and one block-diagonal ``B^T``
+(parts*r, fused out; zero blocks where a part is not targeted), so a delta is two matmuls instead of one per part,
+a scaling and a concatenation: ``delta = (x @ (scaling * A^T)) @ B^T``, the sum ``LoraAdapter.delta`` computes
+(rounded differently: in fp32 they agree to about 1e-7 of the delta's magnitude, not bitwise).
 
 The delta is computed in fp32 (the adapter's master precision) even for a bf16 model, and cast to the model's
 dtype at the end: on this CPU a bf16 matmul of these small shapes costs about 30 us whatever its size (oneDNN's
-fixed cost), an fp32 one 2-7 us, and the whole delta 100-150 vs 20-50 us. With bf16 deltas, SmolLM2's decode at
-batch 8 went from 50 to 87 ms per step; see docs/architecture.md for the numbers with this layout.
+fixed cost), an fp32 one 2-7 us. Serving a bf16 copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step
+of SmolLM2 (1 thread, batch 1 and 8); this layout adds 8-17 ms (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from alchemist.model.lora import FUSED_PARTS, LoraAdapter, part_shapes
 class ServedAdapter:
     def __init__(self, adapter: LoraAdapter, model_dtype: torch.dtype, device: torch.device | str) -> None:
         self.dtype = torch.promote_types(model_dtype, torch.float32)  # fp64 models (tests) keep fp64
-        self.scaling = adapter.config.scaling
-        r = adapter.config.r
+        r, scaling = adapter.config.r, adapter.config.scaling
         shapes = part_shapes(adapter.model_config)
         tensors = adapter.module_tensors()  # (layer, PEFT module, "A" | "B") -> (r, in) | (out, r), views
         self._weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,7 +42,7 @@ class ServedAdapter:
                             j = targeted.index(part)
                             b[j * r : (j + 1) * r, col : col + width] = tensors[layer, part, "B"].t()
                         col += width
-                    at = a.t().to(device=device, dtype=self.dtype).contiguous()  # (in, parts*r)
+                    at = (a.t() * scaling).to(device=device, dtype=self.dtype).contiguous()  # (in, parts*r)
                     self._weights[layer, fused] = (at, b.to(device=device, dtype=self.dtype))
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -51,8 +51,7 @@ class ServedAdapter:
         if weights is None:
             return None
         at, bt = weights
-        xa = torch.mm(x.to(self.dtype), at).mul_(self.scaling)  # (T, parts*r)
-        return torch.mm(xa, bt).to(x.dtype)
+        return torch.mm(torch.mm(x.to(self.dtype), at), bt).to(x.dtype)  # (T, in) @ (in, parts*r) @ (parts*r, out)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor served (tests check they are the engine's own)."""

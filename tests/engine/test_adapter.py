@@ -12,8 +12,9 @@ import torch
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
 from alchemist.engine.packed_ops import PackedLinearOps, packed_linear_supported
+from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.model.loader import build_model
-from alchemist.model.lora import LoraAdapter
+from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig, part_shapes
 from tests.engine.helpers import char_tokenizer, greedy_reference, random_adapter, random_prompts, run_to_end
 from tests.training.recording import record_alone
 
@@ -156,3 +157,23 @@ def test_set_adapter_refuses_bad_versions_and_foreign_adapters(make_engine, tiny
     with pytest.raises(ValueError, match="another shape"):
         engine.set_adapter(LoraAdapter(other), 1)
     assert engine.adapter_version == 0 and engine.runner.adapter is None
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj", "down_proj")])
+def test_served_delta_equals_the_adapters(tiny_model, targets):
+    config = LoraConfig(r=4, alpha=12.0) if targets is None else LoraConfig(r=4, alpha=12.0, target_modules=targets)
+    adapter = LoraAdapter(tiny_model.config, config, seed=9)
+    with torch.no_grad():
+        for b in adapter.B.values():
+            b.normal_()
+    served = ServedAdapter(adapter, tiny_model.dtype, tiny_model.device)
+    shapes = part_shapes(tiny_model.config)
+    for layer in range(tiny_model.config.num_layers):
+        for name, parts in FUSED_PARTS.items():
+            x = torch.randn(5, shapes[parts[0]][0])
+            want, got = adapter.delta(layer, name, x), served.delta(layer, name, x)
+            if want is None:
+                assert got is None
+            else:  # fp32 rounding apart (another summation order); zero columns where a part is not targeted
+                assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+                assert torch.equal(got == 0, want == 0)
