@@ -1,0 +1,46 @@
+"""`alchemist bench online` end to end on a tiny workload (4 short requests, 8 tokens each, feedback on 2): three
+real server processes, every row's fields present and sane. Speed is not asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from alchemist.bench.online import TRAINING_FIELDS
+
+CMD = [sys.executable, "-m", "alchemist.cli", "bench", "online", "--json", "--num-requests", "4", "--request-rate", "8"]
+CMD += ["--max-prompt-tokens", "96", "--max-tokens", "8", "--max-num-seqs", "4", "--record-budget-mb", "256"]
+CMD += ["--train-batch-size", "2", "--train-max-wait-s", "0.2", "--drain-s", "120"]
+
+
+def test_bench_online_tiny():
+    done = subprocess.run(CMD, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    runs = {r["run"]: r for r in rows if "run" in r}
+    assert list(runs) == ["off", "replay", "recompute"]
+    for r in runs.values():
+        assert (r["requests"], r["failed"], r["feedback"]) == (4, 0, 2)
+        for field in ("load_s", "req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            assert r[field] is not None and math.isfinite(r[field]) and r[field] > 0, (r["run"], field)
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+    assert all(runs["off"][f] is None for f in TRAINING_FIELDS)
+    for name in ("replay", "recompute"):
+        r = runs[name]
+        assert r["drained"] is True and r["steps"] >= 1
+        assert r["train_tokens"] > 0 and r["train_s"] > 0 and r["train_tok_s"] > 0
+        assert 0 <= r["train_tokens_load"] <= r["train_tokens"]
+    # Both trained the same 2 corrections; replay replayed them all (fresh records), recompute none.
+    assert runs["replay"]["train_tokens"] == runs["recompute"]["train_tokens"]
+    assert (runs["replay"]["replayed"], runs["replay"]["recomputed"], runs["replay"]["replay_hit_rate"]) == (2, 0, 1.0)
+    assert (runs["recompute"]["replayed"], runs["recompute"]["recomputed"]) == (0, 2)
+    ratios = {r["ratio"]: r for r in rows if "ratio" in r}
+    assert set(ratios) == {
+        "tpot_p99_ms replay/off",
+        "tpot_p99_ms recompute/off",
+        "train_tok_s replay/recompute",
+        "train_tok_s_load replay/recompute",
+    }
+    assert ratios["train_tok_s replay/recompute"]["value"] > 0
