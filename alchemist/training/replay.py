@@ -20,6 +20,7 @@ rest). The leaves' values are reused by the walk, so the adapter must not change
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from alchemist.model.seam import COMPUTE
 from alchemist.training.prompt_backward import PromptRecord, prompt_kv, prompt_layer_backward
 from alchemist.training.recompute import response_loss
 
+T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
 
 
@@ -97,7 +99,11 @@ def replay_backward(
 
     ``record_layers(l)`` gives layer l's record for (at least) positions 0..P-2 of this prompt.
     """
-    slices = replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale)
+    return run_to_end(replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale))
+
+
+def run_to_end(slices: Generator[None, None, T]) -> T:
+    """Runs a sliced computation without pausing; returns its result."""
     while True:
         try:
             next(slices)

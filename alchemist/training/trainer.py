@@ -20,7 +20,7 @@ from alchemist.activations.store import ActivationStore
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import replay_backward_slices
+from alchemist.training.replay import replay_backward_slices, run_to_end
 
 
 @dataclass
@@ -116,12 +116,7 @@ class Trainer:
 
     def backward(self, sample: Sample, loss_scale: float = 1.0) -> tuple[float, bool]:
         """Accumulates one sample's scaled gradient; returns (its loss, whether it was replayed)."""
-        slices = self.backward_slices(sample, loss_scale)
-        while True:
-            try:
-                next(slices)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.backward_slices(sample, loss_scale))
 
     def backward_slices(self, sample: Sample, loss_scale: float = 1.0) -> Generator[None, None, tuple[float, bool]]:
         """``backward`` in slices (one per layer of a replay; a recompute is one slice): yields where serving may
