@@ -123,6 +123,23 @@ class LoraAdapter(nn.Module):
                 outs.append(xa.new_zeros(xa.shape[0], self.shapes[part][1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def add_up(
+        self, layer: int, name: str, base: torch.Tensor, xa: torch.Tensor, parts: tuple[str, ...] | None = None
+    ) -> torch.Tensor:
+        """``base + up(layer, name, xa, parts)`` as a fresh tensor in xa's dtype, without materializing the deltas:
+        one copy of ``base`` (the base outputs of exactly ``parts``' columns), then one in-place addmm per targeted
+        part. The replay walk rebuilds recorded outputs so. In fp32 bitwise the sum; in bf16 it rounds once where the
+        sum rounds twice (tests/model/test_lora.py)."""
+        out = base.to(xa.dtype, copy=True)
+        targeted, r, col = self.targeted(name), self.config.r, 0
+        for part in parts or FUSED_PARTS[name]:
+            width = self.shapes[part][1]
+            if part in targeted:
+                j = targeted.index(part)
+                out[:, col : col + width].addmm_(xa[:, j * r : (j + 1) * r], self.B[f"{layer}_{part}"].to(xa.dtype).t())
+            col += width
+        return out
+
     @torch.no_grad()
     def backward(
         self, layer: int, name: str, x: torch.Tensor, xa: torch.Tensor, grad: torch.Tensor, dx: torch.Tensor | None

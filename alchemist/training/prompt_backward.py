@@ -37,11 +37,15 @@ class PromptRecord:
         self.dtype = dtype
         self.cache: dict[str, torch.Tensor] = {}
 
+    def rows(self, name: str) -> torch.Tensor:
+        """The recorded rows as stored (the record's own memory, in the record's dtype: read them, never write)."""
+        return self.source[name][: self.num_rows]
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.cache:
             dtype = lse_dtype(self.dtype) if name == "lse" else self.dtype
             # .to() returns the record's own rows when the dtype already matches: read them, never write them.
-            self.cache[name] = self.source[name][: self.num_rows].to(dtype)
+            self.cache[name] = self.rows(name).to(dtype)
         return self.cache[name]
 
 
@@ -53,8 +57,8 @@ def prompt_kv(
     c = model.config
     with torch.no_grad():
         xa = adapter.down(layer, "qkv", rms_norm(rec["h"], model.layers[layer].input_norm, c.rms_norm_eps))
-        kv = rec["qkv"][:, c.q_size :]
-        kv = kv.clone() if xa is None else kv + adapter.up(layer, "qkv", xa, parts=("k_proj", "v_proj"))
+        kv = rec.rows("qkv")[:, c.q_size :]
+        kv = kv.to(rec.dtype, copy=True) if xa is None else adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
         k, v = kv.split([c.kv_size, c.kv_size], dim=-1)
         return apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), rot), v.view(-1, c.num_kv_heads, c.head_dim)
 
@@ -95,15 +99,14 @@ def prompt_layer_backward(
     else:
         attn = rec["attn"]  # (n, H*Dh)
         xa_o = adapter.down(layer, "o", attn)
-        o = rec["o"] if xa_o is None else rec["o"] + adapter.up(layer, "o", xa_o)
+        o = rec["o"] if xa_o is None else adapter.add_up(layer, "o", rec.rows("o"), xa_o)
         dh_mid = _mlp_backward(model, adapter, layer, rec, h_in + o, dh_out).add_(dh_out)
         d_attn = dh_mid @ mod.o_weight
         if xa_o is not None:
             adapter.backward(layer, "o", attn, xa_o, dh_mid, d_attn)
 
-        q = rec["qkv"][:, : c.q_size]
-        if xa_qkv is not None:
-            q = q + adapter.up(layer, "qkv", xa_qkv, parts=("q_proj",))
+        q_rows = rec.rows("qkv")[:, : c.q_size]
+        q = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(layer, "qkv", q_rows, xa_qkv, ("q_proj",))
         q = apply_rotary(q.view(n, heads, head_dim), rot)
         dq, dk_attn, dv_attn = _flash_backward(
             _heads_first(d_attn.view(n, heads, head_dim)).contiguous(),
@@ -139,7 +142,7 @@ def _mlp_backward(
     mod = model.layers[layer]
     x2, xn2, rstd2 = _rms_norm(h_mid, mod.post_norm, model.config.rms_norm_eps)
     xa_gu = adapter.down(layer, "gate_up", x2)
-    gate_up = rec["gate_up"] if xa_gu is None else rec["gate_up"] + adapter.up(layer, "gate_up", xa_gu)
+    gate_up = rec["gate_up"] if xa_gu is None else adapter.add_up(layer, "gate_up", rec.rows("gate_up"), xa_gu)
     gate, up = gate_up.chunk(2, dim=-1)
     silu = F.silu(gate)
     act = silu * up  # the down projection's input

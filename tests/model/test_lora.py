@@ -24,7 +24,7 @@ from alchemist.model import peft_format
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.llama import Llama
 from alchemist.model.loader import build_model, read_config
-from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig
 from alchemist.model.peft_format import load_adapter, peft_key, save_adapter
 from alchemist.training.recompute import recompute_loss
 from tests.tiny_models import TINY_VARIANTS
@@ -309,3 +309,33 @@ def test_rejects_bad_weights(saved_dir, tiny_dirs, tmp_path, edit, message):
 def test_rejects_missing_directory(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match="adapter_config.json: not found"):
         load_adapter(tmp_path / "nothing", read_config(tiny_dirs["llama-gqa-untied"]))
+
+
+# --- the replay walk's fused "recorded base output + delta" ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_up_equals_base_plus_up(tiny_dirs, variant, dtype):
+    """``add_up`` (copy + in-place addmm per part) gives the bits of ``base + up`` in fp32 for every fused group
+    and every subset of parts the walk asks for, untargeted parts included (they keep the base values)."""
+    model = build_model(tiny_dirs[variant], torch.float32)
+    config = LoraConfig(r=4, alpha=8.0, target_modules=TARGETS.get(variant, LoraConfig().target_modules))
+    adapter = random_adapter(model, config, seed=0, b_std=0.2)
+    g = torch.Generator().manual_seed(5)
+    for name, parts in [("qkv", None), ("qkv", ("q_proj",)), ("qkv", ("k_proj", "v_proj")), ("o", None),
+                        ("gate_up", None), ("down", None)]:  # fmt: skip
+        if not adapter.targeted(name):
+            continue
+        x = torch.randn(9, adapter.shapes[FUSED_PARTS[name][0]][0], generator=g).to(dtype)
+        xa = adapter.down(1, name, x)
+        width = sum(adapter.shapes[p][1] for p in parts or FUSED_PARTS[name])
+        base = torch.randn(9, width, generator=g).to(torch.bfloat16)  # records may be bf16: cast on the copy
+        got = adapter.add_up(1, name, base, xa, parts)
+        assert got.dtype == dtype and base.dtype == torch.bfloat16
+        summed = base.to(dtype) + adapter.up(1, name, xa, parts)
+        if dtype == torch.float32:
+            assert torch.equal(got, summed), (name, parts)
+        else:  # bf16: addmm rounds base + delta once where the sum rounds twice: never further from the truth
+            exact = base.double() + adapter.up(1, name, xa.double(), parts)
+            assert rel_l2(got.double(), exact) <= rel_l2(summed.double(), exact) + 1e-6, (name, parts)
