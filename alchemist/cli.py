@@ -111,7 +111,10 @@ def _add_record_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-policy", default="requested", choices=["none", "requested", "sample", "all"])
     p.add_argument("--record-fraction", type=float, default=0.0, help="with --record-policy sample")
     p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--record-budget-mb", type=int, default=2048, help="activation store budget")
+    p.add_argument("--record-budget-mb", type=int, default=2048, help="activation store: device tier budget")
+    p.add_argument("--record-host-budget-mb", type=int, default=4096, help="activation store: host memory tier")
+    p.add_argument("--record-disk-budget-mb", type=int, default=16384, help="activation store: disk tier")
+    p.add_argument("--record-dir", default=None, help="the disk tier's files (default: DATA_DIR/activations)")
 
 
 def _record_config(args: argparse.Namespace):  # -> RecordConfig (imported lazily)
@@ -122,6 +125,9 @@ def _record_config(args: argparse.Namespace):  # -> RecordConfig (imported lazil
         sample_fraction=args.record_fraction,
         dtype=args.record_dtype,
         store_budget_bytes=args.record_budget_mb << 20,
+        host_budget_bytes=args.record_host_budget_mb << 20,
+        disk_budget_bytes=args.record_disk_budget_mb << 20,
+        disk_dir=args.record_dir,
     )
 
 

@@ -88,6 +88,7 @@ class EngineConfig:
 
 RECORD_POLICIES = ("none", "requested", "sample", "all")
 RECORD_DTYPES = ("bfloat16", "float32")
+EVICT_PRIORITIES = ("requested", "lru")
 
 
 @dataclass
@@ -97,7 +98,13 @@ class RecordConfig:
     policy: str = "requested"  # none | requested (requests that ask) | sample (a fraction, plus those) | all
     sample_fraction: float = 0.0  # with policy "sample"
     dtype: str = "bfloat16"  # storage dtype; float32 makes replay exact (bf16 costs ~1% gradient error)
-    store_budget_bytes: int = 2 << 30  # the store evicts least recently used records beyond this
+    # The store's tiers (activations/store.py): records are made in the device tier (GPU memory on CUDA, process
+    # memory on CPU) and move down to host memory (pinned on CUDA), then disk, then out, lowest priority first.
+    store_budget_bytes: int = 2 << 30  # the device tier
+    host_budget_bytes: int = 4 << 30  # 0: no host tier
+    disk_budget_bytes: int = 16 << 30  # 0: no disk tier
+    disk_dir: str | None = None  # the disk tier's files; None: the server's <data_dir>/activations, else a temp dir
+    evict_priority: str = "requested"  # requested (records whose request asked rank first), then recency | lru
     ttl_s: float = 3600.0  # records older than this are dropped
 
     def __post_init__(self) -> None:
@@ -107,8 +114,18 @@ class RecordConfig:
             raise ValueError(f"sample_fraction must be in [0, 1] (got {self.sample_fraction!r})")
         if self.dtype not in RECORD_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(RECORD_DTYPES)} (got {self.dtype!r})")
-        if not isinstance(self.store_budget_bytes, int) or self.store_budget_bytes < 0:
-            raise ValueError(f"store_budget_bytes must be a non-negative integer (got {self.store_budget_bytes!r})")
+        for name in ("store_budget_bytes", "host_budget_bytes", "disk_budget_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer (got {value!r})")
+        if self.disk_dir is not None:
+            self.disk_dir = str(self.disk_dir)  # a Path is welcome too
+            if not self.disk_dir.strip():
+                raise ValueError("disk_dir must not be empty (None: <data_dir>/activations, or a temp dir)")
+        if self.evict_priority not in EVICT_PRIORITIES:
+            raise ValueError(
+                f"evict_priority must be one of {', '.join(EVICT_PRIORITIES)} (got {self.evict_priority!r})"
+            )
         if not self.ttl_s > 0:
             raise ValueError(f"ttl_s must be positive (got {self.ttl_s!r})")
 

@@ -37,13 +37,17 @@ def record_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 @dataclass
 class Record:
-    """A prompt's recorded activations: ``layers[l][name]`` is (num_tokens, width)."""
+    """A prompt's recorded activations: ``layers[l][name]`` is (num_tokens, width).
+
+    ``requested``: the request asked to be recorded, so feedback on it is likely (the store keeps it longer).
+    """
 
     record_id: str
     prompt_ids: tuple[int, ...]
     adapter_version: int
     layers: list[dict[str, torch.Tensor]]
     created_s: float = field(default_factory=time.time)
+    requested: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +77,10 @@ class RecordBuilder:
         config: ModelConfig,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        requested: bool = False,
     ) -> None:
         self.record_id = record_id
+        self.requested = requested
         self.prompt_ids = tuple(prompt_ids)
         self.adapter_version = adapter_version
         n = len(prompt_ids)
@@ -109,7 +115,7 @@ class RecordBuilder:
     def build(self) -> Record:
         if not self.is_complete:
             raise RuntimeError(f"record {self.record_id} has {self.num_rows_written}/{len(self.prompt_ids)} rows")
-        return Record(self.record_id, self.prompt_ids, self.adapter_version, self.layers)
+        return Record(self.record_id, self.prompt_ids, self.adapter_version, self.layers, requested=self.requested)
 
 
 class RecordingOps:

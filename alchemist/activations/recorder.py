@@ -51,21 +51,24 @@ class Recorder:
     def ops_for(
         self,
         meta: AttentionMetadata,
-        chunks: list[tuple[str, list[int], bool]],
+        chunks: list[tuple[str, list[int], bool, bool]],
         adapter_version: int,
         inner: Ops,
     ) -> Ops:
         """Recording ops for this forward if any segment is a prompt chunk to record, else ``inner``.
 
-        ``chunks[i]`` describes ``meta.segments[i]``: (request id, prompt ids, whether it is recorded).
+        ``chunks[i]`` describes ``meta.segments[i]``: (request id, prompt ids, whether it is recorded, whether the
+        request asked to be).
         """
         targets: dict[int, RecordBuilder] = {}
-        for i, (seg, (request_id, prompt_ids, recorded)) in enumerate(zip(meta.segments, chunks, strict=True)):
+        for i, (seg, (request_id, prompt_ids, recorded, requested)) in enumerate(
+            zip(meta.segments, chunks, strict=True)
+        ):
             if not recorded or seg.start >= len(prompt_ids):
                 continue  # decode rows, and recomputed outputs after a preemption, are never recorded
             if seg.start == 0:  # a (re)started prefill: a fresh record
                 self._builders[request_id] = RecordBuilder(
-                    request_id, prompt_ids, adapter_version, self.model_config, self.dtype, self.device
+                    request_id, prompt_ids, adapter_version, self.model_config, self.dtype, self.device, requested
                 )
             builder = self._builders.get(request_id)
             if builder is not None:

@@ -82,7 +82,7 @@ class LLMEngine:
         self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
-        self.store = ActivationStore(rc.store_budget_bytes, rc.ttl_s)
+        self.store = ActivationStore.from_config(rc)
         self.recorder = None if rc.policy == "none" else Recorder(rc, self.store, model.config, model.device)
         self.runner = ModelRunner(model, c, self.recorder)
         self.sampler = Sampler()
@@ -178,6 +178,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_finished=self._num_finished,
             activation_bytes=self.store.stats.bytes_held,
+            activation_tier_bytes=dict(self.store.stats.tier_bytes),
             activation_records=self.store.stats.records,
             num_recorded=self.recorder.num_recorded if self.recorder is not None else 0,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from alchemist.engine.sequence import Sequence, TokenLogprobs
 
@@ -60,5 +60,6 @@ class EngineStats:
     num_preemptions: int
     num_finished: int  # requests finished (any reason, aborts included)
     activation_bytes: int = 0  # bytes of recorded activations held by the store
+    activation_tier_bytes: dict[str, int] = field(default_factory=dict)  # per tier ("device", "host", "disk")
     activation_records: int = 0  # records held by the store
     num_recorded: int = 0  # prompt records completed and stored

@@ -60,7 +60,7 @@ class ModelRunner:
         rows out of the batch by its segment), else plain compute. Decode rows are never recorded."""
         if self.recorder is None:
             return self.ops
-        chunks = [(seq.request_id, seq.prompt_token_ids, seq.record) for seq in batch.seqs]
+        chunks = [(seq.request_id, seq.prompt_token_ids, seq.record, seq.params.record) for seq in batch.seqs]
         return self.recorder.ops_for(meta, chunks, self.adapter_version, self.ops)
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -215,7 +216,10 @@ def create_app(
     ``record_config``: by default, prompts of requests that ask, ``{"alchemist": {"record": true}}``) and the
     online trainer of ``online_config``."""
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config or RecordConfig())
+    record_config = record_config or RecordConfig()
+    if record_config.disk_dir is None:  # the disk tier's files live with the server's other state
+        record_config = dataclasses.replace(record_config, disk_dir=str(Path(server_config.data_dir) / "activations"))
+    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config)
     names = served_model_names(server_config, loaded.source, engine_config.model)
     return app_for_engine(engine, names, server_config, own_step_thread, online_config)
 

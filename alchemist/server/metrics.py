@@ -40,6 +40,14 @@ class _EngineStatsCollector(Collector):
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        tiers = GaugeMetricFamily(
+            PREFIX + "activation_store_tier_bytes",
+            "Bytes counted against each activation-store tier's budget (disk writes in flight included).",
+            labels=["tier"],
+        )
+        for tier, value in s.activation_tier_bytes.items():
+            tiers.add_metric([tier], value)
+        yield tiers
         counters = (  # exposed with the suffix _total
             ("prompt_tokens", "Prompt tokens prefilled (recomputation not counted).", s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
