@@ -40,6 +40,8 @@ class Record:
     """A prompt's recorded activations: ``layers[l][name]`` is (num_tokens, width).
 
     ``requested``: the request asked to be recorded, so feedback on it is likely (the store keeps it longer).
+    ``dtype``: the storage dtype of its tensors (the log-sum-exp aside), kept when the store moves the layers out
+    (to disk: ``layers`` is then empty).
     """
 
     record_id: str
@@ -48,6 +50,12 @@ class Record:
     layers: list[dict[str, torch.Tensor]]
     created_s: float = field(default_factory=time.time)
     requested: bool = False
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is None and self.layers and self.layers[0]:
+            first = self.layers[0]
+            self.dtype = (first["qkv"] if "qkv" in first else next(iter(first.values()))).dtype
 
     @property
     def num_tokens(self) -> int:
@@ -56,10 +64,6 @@ class Record:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0]["qkv"].dtype
 
     def covers(self, prompt_ids: list[int] | tuple[int, ...], num_rows: int) -> bool:
         """Whether the first ``num_rows`` rows were computed from the same tokens as ``prompt_ids``."""

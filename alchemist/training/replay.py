@@ -13,8 +13,11 @@ Built as the layer walk of shared/design/activation-reuse.md, section 6:
    layer above; none at the top) and dK_l, dV_l of its leaves (the live rows' attention to the prompt). No base
    matmul and no attention forward runs; only the cheap ops whose values the backward needs are recomputed.
 
-Only one layer's prompt rows are worked on at a time: that is where the memory goes down (issue 6 offloads the
-rest). The leaves' values are reused by the walk, so the adapter must not change between the two phases.
+Only one layer's prompt rows are worked on at a time: that is where the memory goes down. Phase 1 reads each
+layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the trainer
+passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host memory
+or disk comes back a few layers ahead of the walk and leaves right after. The leaves' values are reused by the
+walk, so the adapter must not change between the two phases.
 """
 
 from __future__ import annotations
@@ -118,9 +121,12 @@ def replay_backward_slices(
     prompt_ids: torch.Tensor,
     response_ids: torch.Tensor,
     loss_scale: float = 1.0,
+    walk_layers: RecordLayers | None = None,
 ) -> Generator[None, None, float]:
     """``replay_backward`` in slices: yields after the live stream's forward and backward and after each layer of
-    the walk (the points where serving may preempt training); returns the loss."""
+    the walk (the points where serving may preempt training); returns the loss. ``walk_layers`` (default
+    ``record_layers``) gives the walk its layers, from the top, each once."""
+    walk_layers = walk_layers or record_layers
     num_prompt, dtype, device = len(prompt_ids), model.dtype, prompt_ids.device
     n = num_prompt - 1  # prompt rows replayed; row P-1 runs live
     live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
@@ -154,7 +160,7 @@ def replay_backward_slices(
     dh: torch.Tensor | None = None  # gradient of this layer's output rows (none above the top layer)
     for layer in reversed(range(model.config.num_layers)):
         k_leaf, v_leaf = leaves.pop()
-        rec = PromptRecord(record_layers(layer), n, dtype)
+        rec = PromptRecord(walk_layers(layer), n, dtype)
         dh = prompt_layer_backward(
             model, adapter, layer, rec, rot_prompt, k_leaf.detach(), v_leaf.detach(), k_leaf.grad, v_leaf.grad, dh
         )

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from alchemist.activations.record import Record
-from alchemist.activations.store import ActivationStore
+from alchemist.activations.store import ActivationStore, RecordUnavailable
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
+from alchemist.training.hedge import CostModel
 from alchemist.training.recompute import recompute_loss
+from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import replay_backward_slices, run_to_end
 
 
@@ -31,6 +33,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
     replay: bool = True  # False: always recompute (the separate-trainer baseline)
+    prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -39,6 +42,8 @@ class TrainerConfig:
             raise ValueError(f"max_staleness must be >= 0 (got {self.max_staleness})")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm})")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0 (got {self.prefetch_depth})")
 
 
 @dataclass
@@ -64,6 +69,10 @@ class TrainerStats:
     stale: int = 0  # records found but too old for the current adapter (recomputed)
     missing: int = 0  # no record, or one that does not cover the prompt (recomputed)
     staleness_used: list[int] = field(default_factory=list)  # versions behind, of each replayed record
+    unreadable: int = 0  # replays abandoned because the record went bad or away mid-read (then recomputed)
+    layers_reloaded: int = 0  # walk layers read back from the store
+    layers_recomputed: int = 0  # walk layers recomputed from their recorded input instead (hedging)
+    record_bytes_read: int = 0
 
 
 @dataclass
@@ -92,6 +101,7 @@ class Trainer:
         c = self.config
         self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         self.stats = TrainerStats()
+        self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
 
     def step(self, samples: list[Sample]) -> StepResult:
         if not samples:
@@ -127,21 +137,31 @@ class Trainer:
         self.stats.samples += 1
         self.stats.response_tokens += len(sample.response_ids)
         record = self.usable_record(sample)
-        if record is None:
-            self.stats.recomputed += 1
-            loss = recompute_loss(self.model, self.adapter, prompt, response)
-            (loss * loss_scale).backward()
-            return loss.item(), False
-        store, record_id = self.store, record.record_id
-        try:
-            loss_value = yield from replay_backward_slices(
-                self.model, self.adapter, lambda layer: store.get_layer(record_id, layer), prompt, response, loss_scale
-            )
-        finally:
-            store.release(record_id)
-        self.stats.replayed += 1
-        self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
-        return loss_value, True
+        if record is not None:
+            grads = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
+            reader = RecordReader(
+                self.store, record, self.model, self.adapter, len(prompt) - 1, self.costs, self.stats,
+                self.config.prefetch_depth,
+            )  # fmt: skip
+            try:
+                slices = replay_backward_slices(
+                    self.model, self.adapter, reader.forward_layer, prompt, response, loss_scale, reader.walk_layer
+                )
+                loss_value = yield from _paused_timed(slices, reader)
+                self.stats.replayed += 1
+                self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
+                return loss_value, True
+            except RecordUnavailable:  # a damaged or vanished record: never train on part of it
+                for p, g in zip(self.adapter.parameters(), grads, strict=True):
+                    p.grad = g
+                self.stats.unreadable += 1
+            finally:
+                reader.close()
+                self.store.release(record.record_id)
+        self.stats.recomputed += 1
+        loss = recompute_loss(self.model, self.adapter, prompt, response)
+        (loss * loss_scale).backward()
+        return loss.item(), False
 
     def usable_record(self, sample: Sample) -> Record | None:
         """The sample's record, pinned, if it covers the prompt and is fresh enough; else None (counted)."""
@@ -163,3 +183,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.adapter.version += 1
         self.stats.steps += 1
+
+
+def _paused_timed(slices: Generator[None, None, float], reader: RecordReader) -> Generator[None, None, float]:
+    """Passes the replay's slices on, telling the reader how long each pause (serving's turn) lasted."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+        paused = time.perf_counter()
+        yield
+        reader.paused_for(time.perf_counter() - paused)
