@@ -82,6 +82,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-lr", type=float, default=2e-4)
     p.add_argument("--train-max-staleness", type=int, default=4, help="adapter versions a record may lag")
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
+    p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
     p.add_argument("--train-share", type=float, default=0.25, help="time share of training while serving is busy")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
@@ -99,6 +100,7 @@ def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazil
         lr=args.train_lr,
         max_staleness=args.train_max_staleness,
         replay=not args.train_no_replay,
+        prefetch_depth=args.train_prefetch_depth,
         train_share=args.train_share,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,

@@ -142,6 +142,7 @@ class OnlineConfig:
     max_grad_norm: float = 1.0
     max_staleness: int = 4  # adapter versions a record may lag behind and still be replayed (0: exact only)
     replay: bool = True  # False: recompute every prompt (the separate-trainer baseline, for benchmarks)
+    prefetch_depth: int = 2  # record layers read ahead of the replay walk (from host memory or disk)
     lora_r: int = 16
     lora_alpha: float = 32.0
     keep_versions: int = 8  # adapter versions kept on disk (rollback targets)
@@ -158,6 +159,8 @@ class OnlineConfig:
             raise ValueError(f"lr must be positive (got {self.lr!r})")
         if not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm!r})")
+        if not (isinstance(self.prefetch_depth, int) and self.prefetch_depth >= 0):
+            raise ValueError(f"prefetch_depth must be an integer >= 0 (got {self.prefetch_depth!r})")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"max_staleness must be a non-negative integer (got {self.max_staleness!r})")
         if not 0.0 <= self.train_share < 1.0:

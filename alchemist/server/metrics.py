@@ -80,6 +80,21 @@ class _TrainingCollector(Collector):
         samples.add_metric(["replay"], s.replayed)
         samples.add_metric(["recompute"], s.recomputed)
         yield samples
+        replays = self.trainer.trainer.stats  # the replay path's own counters
+        layers = CounterMetricFamily(
+            PREFIX + "training_record_layers",
+            "Prompt layers of replayed records, by source: reloaded from the activation store or recomputed from "
+            "their recorded input (the reload-or-recompute plan).",
+            labels=["source"],
+        )
+        layers.add_metric(["reload"], replays.layers_reloaded)
+        layers.add_metric(["recompute"], replays.layers_recomputed)
+        yield layers
+        yield CounterMetricFamily(
+            PREFIX + "training_records_unreadable",
+            "Replays abandoned because their record was corrupt or gone mid-read (recomputed instead).",
+            value=replays.unreadable,
+        )
         gauges = (
             ("training_replay_hit_rate", "Share of sample passes replayed from a record.", s.replayed / max(passes, 1)),
             ("training_loss", "Loss of the last optimizer step (NaN before the first).", s.last_loss or float("nan")),

@@ -79,6 +79,7 @@ class OnlineTrainer:
                 max_grad_norm=config.max_grad_norm,
                 max_staleness=config.max_staleness,
                 replay=config.replay,
+                prefetch_depth=config.prefetch_depth,
             ),
         )
         self.stats = OnlineStats()

@@ -131,6 +131,10 @@ def test_served_answers_learn_the_corrected_facts(taught):
     # Every sample replayed its prompt's record, made by the adapter version it trained (max staleness 0: exact).
     assert metrics['alchemist:training_samples_total{path="replay"}'] == ROUNDS * len(FACTS), metrics
     assert metrics["alchemist:training_replay_hit_rate"] == 1.0
+    num_layers = 30  # SmolLM2-135M: every replayed record's layers came back through the prefetch window
+    assert metrics['alchemist:training_record_layers_total{source="reload"}'] == ROUNDS * len(FACTS) * num_layers
+    assert metrics['alchemist:training_record_layers_total{source="recompute"}'] == 0  # all in memory: reload
+    assert metrics["alchemist:training_records_unreadable_total"] == 0
 
 
 def test_held_out_perplexity_stays_bounded(taught, smollm2, smollm2_tokenizer):
