@@ -82,7 +82,8 @@ def read_layer(path: Path, layer: int) -> dict[str, torch.Tensor]:
             expected = entry["crc32"]
     except FileNotFoundError:
         raise
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
+    # RuntimeError: torch maps the file, and says so if it cannot (e.g. removed since safetensors opened it).
+    except (SafetensorError, OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
         raise CorruptFileError(f"{path}: {type(e).__name__}: {e}") from e
     if layer_crc32(tensors) != expected:
         raise CorruptFileError(f"{path}: layer {layer} does not match its checksum")

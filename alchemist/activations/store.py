@@ -126,6 +126,9 @@ class ActivationStore:
         self.evict_priority = evict_priority
         self._clock = clock
         self._records: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        # Pins of records dropped while pinned (damaged files): their holders' releases consume these first, so a
+        # later record under the same id never loses a pin of its own.
+        self._orphan_pins: dict[str, int] = {}
         self._lock = threading.Lock()
         self._ticks = itertools.count()  # recency
         self._file_ids = itertools.count()
@@ -243,6 +246,10 @@ class ActivationStore:
 
     def release(self, record_id: str) -> None:
         with self._lock:
+            if orphans := self._orphan_pins.pop(record_id, 0):
+                if orphans > 1:
+                    self._orphan_pins[record_id] = orphans - 1
+                return
             entry = self._records.get(record_id)
             if entry is not None and entry.pins:
                 entry.pins -= 1
@@ -282,8 +289,8 @@ class ActivationStore:
     def _charge(self, tier: str, nbytes: int) -> None:
         s = self.stats
         s.tier_bytes[tier] += nbytes
-        assert s.tier_bytes[tier] <= self.budgets[tier], f"{tier} tier over budget"
         s.max_tier_bytes[tier] = max(s.max_tier_bytes[tier], s.tier_bytes[tier])
+        assert s.tier_bytes[tier] <= self.budgets[tier], f"{tier} tier over budget"
 
     def _place(self, entry: _Entry, tier: str, nbytes: int) -> None:
         self._charge(tier, nbytes)
@@ -300,7 +307,10 @@ class ActivationStore:
         self.stats.records = len(self._records)
 
     def _drop(self, entry: _Entry) -> None:
-        del self._records[entry.record.record_id]
+        record_id = entry.record.record_id
+        del self._records[record_id]
+        if entry.pins:
+            self._orphan_pins[record_id] = self._orphan_pins.get(record_id, 0) + entry.pins
         if entry.writing:  # the writer still reads its tensors: their bytes stay counted until it is done
             entry.dropped = True
             self._unplace(entry, free=False)

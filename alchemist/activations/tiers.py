@@ -59,8 +59,13 @@ class TierCopies:
         return host, done
 
     def to_device(self, layer: Layer, device: torch.device, ready: torch.cuda.Event | None) -> Layer:
-        """``layer`` on ``device`` for the current stream (CPU: the same tensors)."""
+        """``layer`` on ``device`` for the current stream (CPU, or already there: the same tensors)."""
         if not is_cuda(device):
+            return layer
+        current = torch.cuda.current_stream(device)
+        if all(t.is_cuda for t in layer.values()):  # the device tier: nothing to copy
+            if ready is not None:
+                current.wait_event(ready)
             return layer
         side = self._side(device, "up")
         if ready is not None:
@@ -71,7 +76,6 @@ class TierCopies:
         # queues behind a demotion; the tensors were allocated on the side stream and are used on the current one.
         done = torch.cuda.Event()
         done.record(side)
-        current = torch.cuda.current_stream(device)
         current.wait_event(done)
         for t in out.values():
             t.record_stream(current)
