@@ -165,6 +165,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     p.set_defaults(func=_bench_forward)
     _register_bench_serve(bsub)
     _register_bench_train(bsub)
+    _register_bench_memory(bsub)
     _register_bench_online(bsub)
     return bsub
 
@@ -184,6 +185,45 @@ def _register_bench_train(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-peft", action="store_true", help="skip the transformers + PEFT baseline")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_train)
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    from alchemist.bench.memory import main
+
+    return main(args)
+
+
+def _register_bench_memory(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "memory", help="training step memory and time: recompute vs replay from memory vs replay from disk; budget"
+    )
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="PxR pairs (e.g. 1024x128) or sharegpt-pNN (the NN-th percentile ShareGPT prompt and reply lengths; "
+        "default: 1024x128 2048x128 sharegpt-p50 sharegpt-p90)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per mode (medians, interleaved)")
+    p.add_argument(
+        "--budget-mib",
+        type=float,
+        default=1024,
+        help="transient step memory budget for the tokens-per-step comparison (default 1024: recompute then fits "
+        "P=512 while replay's limit stays inside SmolLM2's 8k context)",
+    )
+    p.add_argument("--budget-grid", type=int, nargs="+", default=None, help="prompt lengths probed (R = 128)")
+    p.add_argument("--no-budget", action="store_true", help="skip the tokens-per-step comparison")
+    p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="what serving records")
+    p.add_argument("--prefetch-depth", type=int, default=2, help="record layers read ahead of the replay walk")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--record-dir", default=None, help="where record files go (default: a temporary directory)")
+    p.add_argument("--sharegpt-samples", type=int, default=2000, help="conversations for the sharegpt-pNN lengths")
+    p.add_argument("--sharegpt-mode", default="multi_turn", choices=["multi_turn", "first_turn"])
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_memory)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

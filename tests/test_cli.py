@@ -40,3 +40,12 @@ def test_bench_forward_json_rows():
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1 and rows[0]["prompt_tokens"] == 16 and rows[0]["ours_s"] > 0
+
+
+def test_bench_memory_help_and_bad_shape():
+    done = run_cli("bench", "memory", "--help")
+    assert done.returncode == 0, done.stderr
+    for flag in ("--shapes", "--repeats", "--budget-mib", "--record-dtype", "--prefetch-depth", "--json"):
+        assert flag in done.stdout
+    done = run_cli("bench", "memory", "--shapes", "8192x128")
+    assert done.returncode == 2 and "--shapes 8192x128" in done.stderr and "context" in done.stderr

@@ -10,18 +10,33 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time (s) of each function, timed round-robin so that all of them see the same machine noise."""
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    before: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Median wall time (s) of each function, timed round-robin so that all of them see the same machine noise.
+
+    ``before[name]``, if given, runs untimed before every call of ``fns[name]`` (e.g. dropping a file from the page
+    cache)."""
+    before = before or {}
     for _ in range(warmup):
-        for fn in fns.values():
+        for name, fn in fns.items():
+            before.get(name, _nothing)()
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            before.get(name, _nothing)()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _nothing() -> None:
+    pass
 
 
 def _fmt(value: Any) -> str:

@@ -142,6 +142,17 @@ def sample_requests(
     return samples
 
 
+def token_lengths(
+    n: int, seed: int, tokenizer: ChatTokenizer, mode: SampleMode = "multi_turn", path: str | Path | None = None
+) -> list[tuple[int, int]]:
+    """(prompt, reply) token counts of ``n`` sampled conversations (``sample_requests``, no length limits): the
+    chat-templated history with the generation prompt, and the reply's text tokens."""
+    return [
+        (len(tokenizer.apply_chat_template(s.messages)), len(tokenizer.encode(s.reply)))
+        for s in sample_requests(n, seed, mode, path=path)
+    ]
+
+
 def _check_sample_args(
     n: int,
     mode: str,

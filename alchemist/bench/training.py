@@ -14,16 +14,13 @@ All modes are timed interleaved in one process; medians of --repeats.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from alchemist.activations.record import RecordBuilder, RecordingOps, record_bytes_per_token
+from alchemist.bench.memory_probe import in_fresh_process, transient_peak_mib
 from alchemist.bench.report import interleaved_medians, print_rows
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import build_model, hf_dir_for
@@ -35,36 +32,10 @@ from alchemist.training.replay import replay_backward
 DEFAULT_SHAPES = [(p, r) for p in (128, 512, 1024, 2048) for r in (32, 128, 512)]
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def transient_peak_mib(fn) -> float:
-    """Peak RSS above the RSS before ``fn`` (needs MALLOC_MMAP_THRESHOLD_ so that freed buffers leave RSS)."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    before = _rss_kib("VmRSS")
-    fn()
-    return (_rss_kib("VmHWM") - before) / 1024
-
-
 def peak_in_subprocess(mode: str, num_prompt: int, num_response: int, model: str | None, record_dtype: str) -> float:
-    """Transient peak memory of one step of ``mode``, measured in a fresh process.
-
-    There glibc is told to return freed large buffers (MALLOC_MMAP_THRESHOLD_), so that RSS tracks live memory
-    (design note, section 10). Timing runs without it: unmapping every freed buffer slows the steps down.
-    """
-    code = (
-        "import sys, json; from alchemist.bench.training import memory_probe; "
-        "print(json.dumps(memory_probe(*json.loads(sys.argv[1]))))"
-    )
-    arg = json.dumps([mode, num_prompt, num_response, model, record_dtype])
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    done = subprocess.run([sys.executable, "-c", code, arg], env=env, capture_output=True, text=True, check=True)
-    return float(done.stdout.strip().splitlines()[-1])
+    """Transient peak memory of one step of ``mode``, measured in a fresh process (``memory_probe.py``)."""
+    args = (mode, num_prompt, num_response, model, record_dtype)
+    return float(in_fresh_process("alchemist.bench.training:memory_probe", *args))
 
 
 def memory_probe(mode: str, num_prompt: int, num_response: int, model: str | None, record_dtype: str) -> float:
@@ -86,6 +57,18 @@ def _peft_model(hf_dir: Path, adapter: LoraAdapter):
     return peft.get_peft_model(base, lora)
 
 
+@torch.inference_mode()
+def record_prefill(model, adapter: LoraAdapter, prompt: torch.Tensor, dtype: torch.dtype, record_id: str = "bench"):
+    """The Record of ``prompt`` made by a serving prefill (the model's recording seam), at adapter version 0."""
+    num_prompt = len(prompt)
+    meta = AttentionMetadata.single(num_prompt, need_lse=True)
+    builder = RecordBuilder(record_id, prompt.tolist(), 0, model.config, dtype=dtype)
+    ops = RecordingOps(meta, {0: builder})
+    model(prompt, torch.arange(num_prompt), meta, ops, adapter)
+    ops.finish()
+    return builder.build()
+
+
 def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dtype, peft_model=None) -> dict:
     """The timed functions of one shape: training steps (forward + backward + AdamW) and prefills."""
     g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
@@ -95,15 +78,9 @@ def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dt
 
     @torch.inference_mode()
     def prefill(record_as: torch.dtype | None = None):
-        meta = AttentionMetadata.single(num_prompt, need_lse=record_as is not None)
-        ops = COMPUTE
         if record_as is not None:
-            builder = RecordBuilder("bench", prompt.tolist(), 0, model.config, dtype=record_as)
-            ops = RecordingOps(meta, {0: builder})
-        model(prompt, torch.arange(num_prompt), meta, ops, adapter)
-        if record_as is not None:
-            ops.finish()
-            return builder.build()
+            return record_prefill(model, adapter, prompt, record_as)
+        model(prompt, torch.arange(num_prompt), AttentionMetadata.single(num_prompt), COMPUTE, adapter)
 
     record = prefill(record_dtype)
     opt = torch.optim.AdamW(adapter.parameters(), lr=1e-5)

@@ -127,3 +127,13 @@ def test_too_few_fit(tmp_path: Path, tok: Tokenizer):
         sample_requests(1, seed=0, tokenizer=tok, max_prompt_tokens=5, path=path)
     with pytest.raises(ValueError, match="only 1 of n=2"):
         sample_requests(2, seed=0, path=path)
+
+
+def test_token_lengths(tok: Tokenizer):
+    multi = sharegpt.token_lengths(20, seed=0, tokenizer=tok)
+    samples = sample_requests(20, seed=0)
+    assert multi == [(len(tok.apply_chat_template(s.messages)), len(tok.encode(s.reply))) for s in samples]
+    first = sharegpt.token_lengths(20, seed=0, tokenizer=tok, mode="first_turn")
+    # The same conversations: a multi-turn prompt holds the first turn and the history after it.
+    assert all(m[0] >= f[0] for m, f in zip(multi, first, strict=True))
+    assert sum(m[0] for m in multi) > sum(f[0] for f in first)
