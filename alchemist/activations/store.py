@@ -84,7 +84,7 @@ class StoreStats:
 
 @dataclass(eq=False)
 class _Entry:
-    record: Record  # lookup's answer; its layers are the tensors held in device or host, [] on disk
+    record: Record  # lookup's answer; its layers are the tensors held in device or host, meta tensors on disk
     num_layers: int
     device: torch.device  # where get_layer returns the layers
     key: tuple[int, int]  # priority: the lowest is moved down or evicted first
@@ -96,6 +96,11 @@ class _Entry:
     writing: int = 0  # disk bytes reserved by a write in flight (0: none)
     dropped: bool = False  # dropped while being written: its bytes are freed when the write ends
     unwritable: bool = False  # its disk write failed: not tried again
+
+
+def _shapes_only(layers: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Meta tensors: the shapes and dtypes of a record on disk (its ``nbytes`` and ``dtype`` hold), no values."""
+    return [{n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in layer.items()} for layer in layers]
 
 
 class ActivationStore:
@@ -187,7 +192,8 @@ class ActivationStore:
             return True
 
     def lookup(self, record_id: str) -> Record | None:
-        """The record's metadata (its layers via ``get_layer``), counting a hit or a miss."""
+        """The record, counting a hit or a miss. Read its layers with ``get_layer``: a record on disk has meta
+        tensors (shapes and dtypes, no values) for layers."""
         with self._lock:
             self._expire(self._clock())
             entry = self._records.get(record_id)
@@ -409,7 +415,7 @@ class ActivationStore:
             if ready is not None:
                 ready.synchronize()  # this thread waits for the copy to host; no stream does
             size = disk.write_record(path, layers)
-        except OSError as e:
+        except Exception as e:  # disk full, permissions, ...: the record stays where it is
             log.warning("activation store: cannot write %s: %s", path, e)
             with self._lock:
                 self.stats.disk_write_errors += 1
@@ -431,7 +437,7 @@ class ActivationStore:
                 entry.unwritable = True
         else:
             self._unplace(entry)
-            entry.record = dataclasses.replace(entry.record, layers=[])
+            entry.record = dataclasses.replace(entry.record, layers=_shapes_only(entry.record.layers))
             entry.path, entry.ready = path, None
             self._place(entry, "disk", size)
             self.stats.disk_writes += 1
