@@ -1,0 +1,25 @@
+"""/metrics rendering from an EngineStats snapshot (no model needed)."""
+
+from __future__ import annotations
+
+from alchemist.engine import EngineStats
+from alchemist.server.metrics import ServerMetrics
+
+
+def test_activation_store_bytes_per_tier():
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        num_preemptions=0,
+        num_finished=0,
+        activation_bytes=700,
+        activation_records=3,
+        activation_tier_bytes={"device": 100, "host": 200, "disk": 400},
+    )
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert "alchemist:activation_store_bytes 700.0" in text
+    for tier, value in (("device", 100), ("host", 200), ("disk", 400)):
+        assert f'alchemist:activation_store_tier_bytes{{tier="{tier}"}} {value}.0' in text
