@@ -1,15 +1,17 @@
 """The disk tier's file format: one safetensors file per record, read one layer at a time, checked on every read.
 
 A record's tensors are stored as ``"{layer}.{name}"``; the header's metadata holds, per layer, its tensor names (in
-the record's order) and a CRC-32 over each tensor's name, dtype, shape and bytes. Reads memory-map the file
-(safetensors' ``safe_open``), copy one layer's tensors out of the map and verify them: a truncated file, an altered
-byte (in the data or the header) or a missing entry raises ``CorruptFileError``, never returns wrong values.
+the record's order) and a CRC-32 of each tensor's name, dtype, shape and bytes, so a read of some of a layer's
+tensors checks just those. Reads memory-map the file (safetensors' ``safe_open``), copy one layer's tensors out of
+the map and verify them: a truncated file, an altered byte (in the data or the header) or a missing entry raises
+``CorruptFileError``, never returns wrong values.
 
 Files are written under a temporary name and renamed when complete, so a crash never leaves a file that looks whole;
 files of an earlier run (the suffix ``SUFFIX``) are removed by ``remove_stale`` when a store starts.
 
     size = write_record(path, record.layers)
     layer = read_layer(path, 7)  # {name: (num_tokens, width) tensor}, on the CPU
+    inputs = read_layer(path, 7, names=("h",))  # only these tensors are read and checked
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,17 +34,14 @@ class CorruptFileError(Exception):
     """A record file that is truncated, altered or unreadable."""
 
 
-def layer_crc32(layer: dict[str, torch.Tensor]) -> int:
-    crc = 0
-    for name, t in layer.items():
-        crc = zlib.crc32(f"{name}:{t.dtype}:{list(t.shape)}".encode(), crc)
-        # bf16 has no numpy dtype: checksum the bytes.
-        crc = zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc
+def tensor_crc32(name: str, t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's name, dtype, shape and bytes (bf16 has no numpy dtype: checksum the bytes)."""
+    crc = zlib.crc32(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
 
 
-def _layer_entry(layer: dict[str, torch.Tensor], crc: int) -> str:
-    return json.dumps({"names": list(layer), "crc32": crc})
+def _layer_entry(layer: dict[str, torch.Tensor], crcs: dict[str, int]) -> str:
+    return json.dumps({"names": list(layer), "crc32": crcs})
 
 
 def file_bytes_bound(layers: list[dict[str, torch.Tensor]]) -> int:
@@ -52,7 +52,10 @@ def file_bytes_bound(layers: list[dict[str, torch.Tensor]]) -> int:
     """
     data = sum(t.numel() * t.element_size() for layer in layers for t in layer.values())
     entries = sum(len(f"{i}.{name}") + 200 for i, layer in enumerate(layers) for name in layer)
-    meta = sum(2 * (len(f"layer.{i}") + len(_layer_entry(layer, 2**32 - 1))) + 8 for i, layer in enumerate(layers))
+    meta = sum(
+        2 * (len(f"layer.{i}") + len(_layer_entry(layer, dict.fromkeys(layer, 2**32 - 1)))) + 8
+        for i, layer in enumerate(layers)
+    )
     return data + 8 + entries + meta + 64
 
 
@@ -61,7 +64,10 @@ def write_record(path: Path, layers: list[dict[str, torch.Tensor]]) -> int:
     tensors = {f"{i}.{name}": t.contiguous() for i, layer in enumerate(layers) for name, t in layer.items()}
     tmp = path.with_name(path.name + _TMP)
     try:
-        metadata = {f"layer.{i}": _layer_entry(layer, layer_crc32(layer)) for i, layer in enumerate(layers)}
+        metadata = {
+            f"layer.{i}": _layer_entry(layer, {name: tensor_crc32(name, t) for name, t in layer.items()})
+            for i, layer in enumerate(layers)
+        }
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
@@ -70,23 +76,24 @@ def write_record(path: Path, layers: list[dict[str, torch.Tensor]]) -> int:
     return path.stat().st_size
 
 
-def read_layer(path: Path, layer: int) -> dict[str, torch.Tensor]:
-    """One layer's tensors, copied out of the memory-mapped file and verified (``CorruptFileError`` if not
-    intact). ``FileNotFoundError`` if there is no file."""
+def read_layer(path: Path, layer: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """One layer's tensors (``names``, default all), copied out of the memory-mapped file and verified, each
+    against its own checksum (``CorruptFileError`` if not intact). ``FileNotFoundError`` if there is no file."""
     try:
         with safe_open(path, framework="pt") as f:
             entry = json.loads(f.metadata()[f"layer.{layer}"])
             # Copied out of the map before the checksum: what is returned is what was checked, whatever happens
             # to the file afterwards.
-            tensors = {name: f.get_tensor(f"{layer}.{name}").clone() for name in entry["names"]}
-            expected = entry["crc32"]
+            tensors = {name: f.get_tensor(f"{layer}.{name}").clone() for name in names or entry["names"]}
+            expected = {name: entry["crc32"][name] for name in tensors}
     except FileNotFoundError:
         raise
     # RuntimeError: torch maps the file, and says so if it cannot (e.g. removed since safetensors opened it).
     except (SafetensorError, OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
         raise CorruptFileError(f"{path}: {type(e).__name__}: {e}") from e
-    if layer_crc32(tensors) != expected:
-        raise CorruptFileError(f"{path}: layer {layer} does not match its checksum")
+    for name, t in tensors.items():
+        if tensor_crc32(name, t) != expected[name]:
+            raise CorruptFileError(f"{path}: layer {layer} {name} does not match its checksum")
     return tensors
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,8 +211,9 @@ class ActivationStore:
             entry = self._records.get(record_id)
             return None if entry is None else entry.tier
 
-    def get_layer(self, record_id: str, layer: int) -> dict[str, torch.Tensor]:
-        """Layer ``layer`` of the record, {name: (num_tokens, width)} on the device it was recorded on.
+    def get_layer(self, record_id: str, layer: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Layer ``layer`` of the record, {name: (num_tokens, width)} on the device it was recorded on; only the
+        tensors ``names`` (default: all) are read.
 
         Device tier: the stored tensors; host: copies on CUDA, the stored tensors on CPU; disk: tensors read from
         the file and verified. RecordUnavailable if the record is not here; RecordCorruptError (the record is then
@@ -226,10 +227,11 @@ class ActivationStore:
                 raise IndexError(f"record {record_id} has {entry.num_layers} layers (asked for {layer})")
             tier, layers, path, ready = entry.tier, entry.record.layers, entry.path, entry.ready
         if tier != "disk":
-            return self._copies.to_device(layers[layer], entry.device, ready)
+            stored = layers[layer] if names is None else {name: layers[layer][name] for name in names}
+            return self._copies.to_device(stored, entry.device, ready)
         assert path is not None
         try:
-            tensors = disk.read_layer(path, layer)
+            tensors = disk.read_layer(path, layer, names)
         except (FileNotFoundError, disk.CorruptFileError) as e:
             with self._lock:
                 if self._records.get(record_id) is not entry:  # evicted while we read: its file went with it

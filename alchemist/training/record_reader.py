@@ -1,11 +1,11 @@
 """Where one replay gets its record's layers: the store, through the prefetch window, reloaded or recomputed.
 
-The live stream's forward (phase 1 of ``alchemist.training.replay``) reads each layer's input and q/k/v in forward
-order, synchronously (a small part of each layer). The walk (phase 2) takes the layers from the top through a
-``LayerWindow`` whose thread reads them ahead; per layer the ``hedge.plan`` for the record's tier says whether the
-thread reloads the layer's outputs or only its input, which the walk then turns into the outputs by recomputing the
-layer (``hedge.recompute_layer``). Every read, walk layer and recomputation is timed into the ``CostModel`` that
-the next plan is made from, and counted.
+The live stream's forward (phase 1 of ``alchemist.training.replay``) reads each layer's input and q/k/v
+(``FORWARD_NAMES``, a quarter of a layer's bytes) in forward order, the walk (phase 2) what it needs of each layer
+from the top; each through a ``LayerWindow`` whose thread reads ahead. Per layer the ``hedge.plan`` for the
+record's tier says whether the walk's thread reloads the layer's outputs or only its input, which the walk then
+turns into the outputs by recomputing the layer (``hedge.recompute_layer``). Every read, walk layer and
+recomputation is timed into the ``CostModel`` that the next plan is made from, and counted.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import WALK_NAMES, CostModel, Plan, plan, recompute_layer
 from alchemist.training.layer_window import LayerWindow
+
+FORWARD_NAMES = ("h", "qkv")  # what phase 1 reads: the prompt's keys and values are rebuilt from them
 
 
 class RecordReader:
@@ -47,13 +49,15 @@ class RecordReader:
         num_layers = model.config.num_layers
         self.plan: Plan = plan(num_layers, num_rows, self.tier, layer_bytes, input_bytes, costs)
         self._rot = model.rope(torch.arange(num_rows, device=model.device), model.dtype)
-        self._window = LayerWindow(self._read, reversed(range(num_layers)), depth if num_rows else 0)
+        depth = depth if num_rows else 0  # a one-token prompt replays no prompt row: nothing to read
+        self._forward = LayerWindow(self._read_forward, range(num_layers), depth)
+        self._window = LayerWindow(self._read, reversed(range(num_layers)), depth)
         self._walk_start: float | None = None  # when the walk got its previous layer
         self._paused = 0.0  # of the time since, spent paused (not walking)
 
     def forward_layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """For phase 1 (forward order): the layer's record as the store gives it."""
-        return self.store.get_layer(self.record_id, layer)
+        """For phase 1 (forward order, each layer once): the layer's input and q/k/v rows."""
+        return self._forward.take(layer)
 
     def walk_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """For the walk (layers from the top, each once): the layer's outputs, reloaded or recomputed."""
@@ -77,16 +81,20 @@ class RecordReader:
         self._paused += seconds
 
     def close(self) -> None:
+        self._forward.close()
         self._window.close()
 
+    def _read_forward(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._timed_read(layer, FORWARD_NAMES)
+
     def _read(self, layer: int) -> dict[str, torch.Tensor]:
-        """On the window's thread: what the walk needs of the layer (timed into the tier's read bandwidth)."""
+        """On the window's thread: what the walk needs of the layer."""
+        return self._timed_read(layer, ("h",) if self.plan.recompute[layer] else WALK_NAMES)
+
+    def _timed_read(self, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Reads ``names`` of the layer, timed into the tier's read bandwidth."""
         start = time.perf_counter()
-        values = self.store.get_layer(self.record_id, layer)
-        if self.plan.recompute[layer]:
-            values = {"h": values["h"]}
-        else:
-            values = {name: values[name] for name in WALK_NAMES}
+        values = self.store.get_layer(self.record_id, layer, names)
         num_bytes = sum(t.numel() * t.element_size() for t in values.values())
         self.costs.observe_read(self.tier, num_bytes, time.perf_counter() - start)
         self.stats.record_bytes_read += num_bytes
