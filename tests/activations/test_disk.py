@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -96,3 +98,19 @@ def test_remove_stale_takes_only_record_files(tmp_path):
     (tmp_path / f"sub{disk.SUFFIX}").mkdir()
     assert disk.remove_stale(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.txt", f"sub{disk.SUFFIX}"]
+
+
+def test_a_partial_read_checks_what_it_reads(tmp_path):
+    layers = make_layers(torch.bfloat16, num_layers=2)
+    path = tmp_path / f"r{disk.SUFFIX}"
+    disk.write_record(path, layers)
+    got = disk.read_layer(path, 1, names=("h", "lse"))
+    assert list(got) == ["h", "lse"] and all(same_bits(got[n], layers[1][n]) for n in got)
+    damaged = bytearray(path.read_bytes())
+    header_len = int.from_bytes(damaged[:8], "little")  # safetensors: u64 header size, JSON header, data
+    start, _ = json.loads(damaged[8 : 8 + header_len])["1.down"]["data_offsets"]
+    damaged[8 + header_len + start] ^= 0x01  # a byte of layer 1's "down"
+    path.write_bytes(damaged)
+    assert same_bits(disk.read_layer(path, 1, names=("h",))["h"], layers[1]["h"])
+    with pytest.raises(disk.CorruptFileError):
+        disk.read_layer(path, 1, names=("down",))

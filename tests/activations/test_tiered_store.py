@@ -92,8 +92,10 @@ def test_every_tensor_round_trips_through_every_tier(tmp_path, dtype):
     assert [store.tier_of(r) for r in "abc"] == ["disk", "host", "device"]
     for record in (a, b, c):
         assert_reads_exact(store, record)
+        part = store.get_layer(record.record_id, 1, names=("h", "lse"))  # only these are read
+        assert list(part) == ["h", "lse"] and all(same_bits(part[k], record.layers[1][k]) for k in part)
     s = store.stats
-    assert s.disk_writes == 1 and s.disk_reads == len(a.layers) and s.demotions == 3 and s.evictions == 0
+    assert s.disk_writes == 1 and s.disk_reads == len(a.layers) + 1 and s.demotions == 3 and s.evictions == 0
     assert s.tier_records == {"device": 1, "host": 1, "disk": 1}
     assert s.tier_bytes["disk"] == record_files(tmp_path)[0].stat().st_size
     assert s.bytes_held == 2 * n + s.tier_bytes["disk"]
