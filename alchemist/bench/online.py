@@ -45,7 +45,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from alchemist.bench.report import print_rows
-from alchemist.bench.serving import _free_port
+from alchemist.bench.serving import _free_port, stop_process
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
@@ -140,12 +140,7 @@ def start_server(args: argparse.Namespace, run: str, workdir: Path) -> Server:
 
 
 def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    stop_process(server.process)
 
 
 def scrape(url: str) -> dict[str, float]:

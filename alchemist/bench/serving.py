@@ -253,9 +253,18 @@ def bench_http(args: argparse.Namespace, loaded, work: Workload) -> list[dict]:
             rows.append(summarize("http", c, *results))
             print_rows(rows[-1:], True, sys.stderr)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_process(process)
     return rows
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Asks a server process to exit; kills it if it has not within ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 BENCHES = {"transformers": bench_transformers, "engine": bench_engine, "http": bench_http}

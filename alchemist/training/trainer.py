@@ -138,11 +138,14 @@ class Trainer:
         self.stats.response_tokens += len(sample.response_ids)
         record = self.usable_record(sample)
         if record is not None:
-            grads = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
             reader = RecordReader(
                 self.store, record, self.model, self.adapter, len(prompt) - 1, self.costs, self.stats,
                 self.config.prefetch_depth,
             )  # fmt: skip
+            # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
+            kept = None
+            if reader.tier == "disk":
+                kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
             try:
                 slices = replay_backward_slices(
                     self.model, self.adapter, reader.forward_layer, prompt, response, loss_scale, reader.walk_layer
@@ -151,8 +154,10 @@ class Trainer:
                 self.stats.replayed += 1
                 self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
                 return loss_value, True
-            except RecordUnavailable:  # a damaged or vanished record: never train on part of it
-                for p, g in zip(self.adapter.parameters(), grads, strict=True):
+            except RecordUnavailable:  # a damaged file: never train on part of it
+                if kept is None:
+                    raise
+                for p, g in zip(self.adapter.parameters(), kept, strict=True):
                     p.grad = g
                 self.stats.unreadable += 1
             finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import signal
 import sqlite3
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ import httpx
 import pytest
 import torch
 
+from alchemist.bench.serving import stop_process
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.recompute import recompute_loss
@@ -87,12 +87,7 @@ def wait_trained_through(server: ServerProcess, seq: int, timeout_s: float = 600
 
 
 def stop(server: ServerProcess) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    stop_process(server.process)
 
 
 def ask_all(server: ServerProcess) -> list[tuple[str, str]]:
