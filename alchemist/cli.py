@@ -84,6 +84,11 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
     p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
     p.add_argument("--train-share", type=float, default=0.25, help="time share of training while serving is busy")
+    p.add_argument(
+        "--train-anchor-weight", type=float, default=3.0, help="weight of the KL to the base model on served traffic"
+    )
+    p.add_argument("--train-anchor-samples", type=int, default=16, help="recent served completions per step (anchors)")
+    p.add_argument("--train-anchor-top-k", type=int, default=32, help="base-model tokens kept per anchor position")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--keep-adapter-versions", type=int, default=8, help="adapter versions kept (rollback targets)")
@@ -102,6 +107,9 @@ def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazil
         replay=not args.train_no_replay,
         prefetch_depth=args.train_prefetch_depth,
         train_share=args.train_share,
+        anchor_weight=args.train_anchor_weight,
+        anchor_samples=args.train_anchor_samples,
+        anchor_top_k=args.train_anchor_top_k,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,

@@ -150,9 +150,18 @@ class OnlineConfig:
     # concurrent: design note, section 12). With no request in flight, training takes whatever is free.
     train_share: float = 0.25
     seed: int = 0  # the adapter's initialisation
+    # Each step also minimises anchor_weight x KL(base || adapted) on the responses of the anchor_samples most
+    # recent served completions (top-k of the base distribution; alchemist.training.anchors). 0 disables.
+    anchor_weight: float = 3.0
+    anchor_samples: int = 16
+    anchor_top_k: int = 32
+    anchor_pool_size: int = 256  # served completions kept as candidate anchors
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "lora_r", "keep_versions")
+        _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_pool_size")
+        if not self.anchor_weight >= 0:
+            raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
         if not self.max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0 (got {self.max_wait_s!r})")
         if not self.lr > 0:

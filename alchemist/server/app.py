@@ -194,7 +194,8 @@ def app_for_engine(
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None
-    serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry)
+    anchors = trainer.anchors if trainer is not None else None
+    serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes

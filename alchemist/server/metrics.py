@@ -80,6 +80,17 @@ class _TrainingCollector(Collector):
         samples.add_metric(["replay"], s.replayed)
         samples.add_metric(["recompute"], s.recomputed)
         yield samples
+        anchors = CounterMetricFamily(
+            PREFIX + "training_anchor_samples",
+            "Anchor passes (recent served completions kept close to the base model), by path.",
+            labels=["path"],
+        )
+        anchors.add_metric(["replay"], s.anchor_replayed)
+        anchors.add_metric(["recompute"], s.anchor_samples - s.anchor_replayed)
+        yield anchors
+        yield CounterMetricFamily(
+            PREFIX + "training_anchor_tokens", "Anchor response tokens trained (once per epoch).", value=s.anchor_tokens
+        )
         replays = self.trainer.trainer.stats  # the replay path's own counters
         layers = CounterMetricFamily(
             PREFIX + "training_record_layers",
@@ -99,6 +110,12 @@ class _TrainingCollector(Collector):
             ("training_replay_hit_rate", "Share of sample passes replayed from a record.", s.replayed / max(passes, 1)),
             ("training_loss", "Loss of the last optimizer step (NaN before the first).", s.last_loss or float("nan")),
             ("training_tokens_per_second", "Training tokens/s of the last mini-batch.", s.last_tokens_per_s),
+            (
+                "training_anchor_kl",
+                "Mean KL(base || adapted) of the last step's anchors (NaN before the first).",
+                float("nan") if s.last_anchor_kl is None else s.last_anchor_kl,
+            ),
+            ("training_anchor_pool", "Served completions held as candidate anchors.", len(self.trainer.anchors)),
             ("adapter_version", "The LoRA adapter version being trained (0: none yet).", self.trainer.version),
         )
         for name, doc, value in gauges:
@@ -106,7 +123,7 @@ class _TrainingCollector(Collector):
         yield SummaryMetricFamily(
             PREFIX + "training_record_staleness",
             "Adapter versions between a replayed record and the adapter it trained.",
-            count_value=s.replayed,
+            count_value=s.replayed + s.anchor_replayed,
             sum_value=s.staleness_sum,
         )
 

@@ -21,6 +21,7 @@ from alchemist.server import protocol as p
 from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ModelNotFoundError
+from alchemist.training.anchors import Anchor, AnchorPool
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -87,6 +88,7 @@ class OpenAIServing:
         served_model_names: list[str],
         max_model_len: int,
         registry: CompletionsRegistry,
+        anchors: AnchorPool | None = None,
     ):
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
@@ -95,6 +97,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.registry = registry
+        self.anchors = anchors  # the online trainer's: finished completions to stay close on
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     @property
@@ -251,6 +254,9 @@ class OpenAIServing:
                 recorded=req.alchemist.record,
             )
         )
+        if self.anchors is not None and acc.finish_reason in ("stop", "length"):
+            record_id = request_id if req.alchemist.record else None
+            self.anchors.offer(Anchor(request_id, acc.prompt_token_ids, acc.output_token_ids, record_id))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -9,7 +9,9 @@ The story of one mini-batch: read the next ``sft`` entries of the log -> samples
 prompt's record) -> ``epochs`` optimizer steps, each sample replayed from its record where the record is fresh
 enough, recomputed otherwise -> publish the new adapter version to the engine -> checkpoint it (adapter, optimizer
 state, the log position of the batch's last entry, its metrics) atomically. "negative" and "preference" entries
-are passed over (counted; a later objective trains on them).
+are passed over (counted; a later objective trains on them). Each step also keeps the adapted model close to the
+base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over ``anchor_samples`` anchors
+(``alchemist.training.anchors``; replayed from their records too).
 
 Exactly once: the position in the log moves only with a checkpoint. A crash before it loses the batch's update,
 and the restarted trainer (``restore``) reads the same entries again from the checkpointed position; a crash after
@@ -37,6 +39,7 @@ from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.training.anchors import AnchorPool, reference_targets
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -57,6 +60,10 @@ class OnlineStats:
     last_tokens_per_s: float = 0.0  # training tokens / training time, of the last batch
     train_s: float = 0.0  # time spent in training slices
     staleness_sum: int = 0  # adapter versions behind, summed over replayed records
+    anchor_samples: int = 0  # anchor passes (a served completion kept close to the base model), once per epoch
+    anchor_tokens: int = 0
+    anchor_replayed: int = 0
+    last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
 
 
 class OnlineTrainer:
@@ -82,6 +89,7 @@ class OnlineTrainer:
                 prefetch_depth=config.prefetch_depth,
             ),
         )
+        self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.stats = OnlineStats()
         self.position = 0  # seq of the last log entry whose training is checkpointed
         self._read_position = 0  # seq of the last entry taken into a batch (>= position)
@@ -157,6 +165,7 @@ class OnlineTrainer:
     def _read_new(self) -> None:
         for entry in self.log.read(after_seq=self._read_position, limit=max(64, self.config.batch_size)):
             self._read_position = entry.seq
+            self.anchors.exclude(entry.response_id, entry.prompt_token_ids)
             kind = entry.kind
             if kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
                 kind = "invalid"  # nothing to learn (an empty served output): never a poison pill for the loop
@@ -192,26 +201,37 @@ class OnlineTrainer:
         samples = [
             Sample(e.prompt_token_ids, e.response_token_ids, e.response_id if e.recorded else None) for e in batch
         ]
-        losses, tokens = [], 0
+        anchors = yield from self._anchor_samples()
+        losses, kls, tokens = [], [], 0
         self._job_s = 0.0
         for _ in range(self.config.epochs):
-            loss = 0.0
-            for sample in samples:
-                sample_loss, replayed = yield from self.trainer.backward_slices(sample, 1.0 / len(samples))
-                loss += sample_loss / len(samples)
-                tokens += len(sample.response_ids)
-                self.stats.samples += 1
-                self.stats.response_tokens += len(sample.response_ids)
-                self.stats.replayed += replayed
-                self.stats.recomputed += not replayed
+            loss = kl = 0.0
+            for sample in samples + anchors:
+                is_anchor = sample.targets is not None
+                scale = self.config.anchor_weight / len(anchors) if is_anchor else 1.0 / len(samples)
+                sample_loss, replayed = yield from self.trainer.backward_slices(sample, scale)
                 if replayed:
                     self.stats.staleness_sum += self.trainer.stats.staleness_used.pop()
+                if is_anchor:
+                    kl += sample_loss / len(anchors)
+                    self.stats.anchor_samples += 1
+                    self.stats.anchor_tokens += len(sample.response_ids)
+                    self.stats.anchor_replayed += replayed
+                else:
+                    loss += sample_loss / len(samples)
+                    tokens += len(sample.response_ids)
+                    self.stats.samples += 1
+                    self.stats.response_tokens += len(sample.response_ids)
+                    self.stats.replayed += replayed
+                    self.stats.recomputed += not replayed
                 yield
             self.trainer.update()
             self.stats.steps += 1
             losses.append(loss)
+            kls.append(kl)
             yield
         self.stats.last_loss = losses[-1]
+        self.stats.last_anchor_kl = kls[-1] if anchors else None
         # The batch's own time: its slices (serving steps ran in between), all but this last short one.
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
         self.engine.set_adapter(self.adapter, self.version)
@@ -223,9 +243,25 @@ class OnlineTrainer:
             "epochs": self.config.epochs,
             "response_tokens": tokens,
             "seqs": [e.seq for e in batch],
+            "anchors": len(anchors),
+            "anchor_kl": kls[-1] if anchors else None,
         }
         self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), batch[-1].seq, metrics)
         self.position = batch[-1].seq
+
+    def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
+        """The batch's anchors: the most recent served completions, each with the base model's top-k
+        distribution on its response (computed once per anchor, one slice each)."""
+        if not self.config.anchor_weight:
+            return []
+        samples = []
+        for anchor in self.anchors.recent(self.config.anchor_samples):
+            if anchor.targets is None:
+                top_k = self.config.anchor_top_k
+                anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, anchor.response_ids, top_k)
+                yield
+            samples.append(Sample(anchor.prompt_ids, anchor.response_ids, anchor.record_id, anchor.targets))
+        return samples
 
     # --- rollback (any thread) -----------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from alchemist.model.attention import bottom_right_causal_mask
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.seam import COMPUTE
+from alchemist.training.anchors import Targets
 from alchemist.training.prompt_backward import PromptRecord, prompt_kv, prompt_layer_backward
 from alchemist.training.recompute import response_loss
 
@@ -97,12 +98,15 @@ def replay_backward(
     prompt_ids: torch.Tensor,
     response_ids: torch.Tensor,
     loss_scale: float = 1.0,
+    targets: Targets | None = None,
 ) -> float:
     """Accumulates ``loss_scale * dloss/dadapter`` into the adapter's .grad; returns the loss.
 
     ``record_layers(l)`` gives layer l's record for (at least) positions 0..P-2 of this prompt.
     """
-    return run_to_end(replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale))
+    return run_to_end(
+        replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale, targets=targets)
+    )
 
 
 def run_to_end(slices: Generator[None, None, T]) -> T:
@@ -122,10 +126,12 @@ def replay_backward_slices(
     response_ids: torch.Tensor,
     loss_scale: float = 1.0,
     walk_layers: RecordLayers | None = None,
+    targets: Targets | None = None,
 ) -> Generator[None, None, float]:
     """``replay_backward`` in slices: yields after the live stream's forward and backward and after each layer of
     the walk (the points where serving may preempt training); returns the loss. ``walk_layers`` (default
-    ``record_layers``) gives the walk its layers, from the top, each once."""
+    ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the loss is the KL to them
+    (an anchor, ``alchemist.training.anchors``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
     num_prompt, dtype, device = len(prompt_ids), model.dtype, prompt_ids.device
     n = num_prompt - 1  # prompt rows replayed; row P-1 runs live
@@ -149,7 +155,7 @@ def replay_backward_slices(
                 *(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
             ).transpose(0, 1)
         h = model.mlp(layer, model.attention_output(layer, h, attn, COMPUTE, adapter), COMPUTE, adapter)
-    loss = response_loss(model, h, response_ids)
+    loss = response_loss(model, h, response_ids, targets)
     yield
     (loss * loss_scale).backward()
     if not n:

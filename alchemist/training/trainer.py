@@ -19,6 +19,7 @@ from alchemist.activations.record import Record
 from alchemist.activations.store import ActivationStore, RecordUnavailable
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
+from alchemist.training.anchors import Targets
 from alchemist.training.hedge import CostModel
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.record_reader import RecordReader
@@ -48,11 +49,13 @@ class TrainerConfig:
 
 @dataclass
 class Sample:
-    """A prompt and the response to learn (served or corrected); ``record_id`` names the prompt's record."""
+    """A prompt and the response to learn (served or corrected); ``record_id`` names the prompt's record.
+    With ``targets`` (an anchor) the loss is the KL to them on the response positions, not its cross-entropy."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     record_id: str | None = None
+    targets: Targets | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.response_ids:
@@ -148,8 +151,9 @@ class Trainer:
                 kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
             try:
                 slices = replay_backward_slices(
-                    self.model, self.adapter, reader.forward_layer, prompt, response, loss_scale, reader.walk_layer
-                )
+                    self.model, self.adapter, reader.forward_layer, prompt, response, loss_scale, reader.walk_layer,
+                    sample.targets,
+                )  # fmt: skip
                 loss_value = yield from _paused_timed(slices, reader)
                 self.stats.replayed += 1
                 self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
@@ -164,7 +168,7 @@ class Trainer:
                 reader.close()
                 self.store.release(record.record_id)
         self.stats.recomputed += 1
-        loss = recompute_loss(self.model, self.adapter, prompt, response)
+        loss = recompute_loss(self.model, self.adapter, prompt, response, sample.targets)
         (loss * loss_scale).backward()
         return loss.item(), False
 

@@ -3,9 +3,10 @@ server trains on the corrections between serving steps, and serves what it learn
 
 - teaching: invented facts the model cannot know are asked and corrected through POST /v1/feedback, in rounds
   (people keep asking; each round's answers come from the adapter the last round trained, and each round is one
-  optimizer step on the round's corrections); afterwards the served answers hold the facts, every sample was
-  replayed exactly from its prompt's record (made by the version being trained), and held-out ShareGPT
-  perplexity is measured;
+  optimizer step on the round's corrections), while other people ask ShareGPT questions nobody gives feedback on
+  (the anchors each step keeps close to the base model); afterwards the served answers hold the facts, every
+  sample and anchor was replayed exactly from its prompt's record (made by the version being trained), and the
+  perplexity of held-out ShareGPT replies rose by less than 10%;
 - rollback serves the earlier version's outputs exactly (the base model's, then the taught version's);
 - SIGKILL in the middle of training, restart: every acknowledged feedback is in the log, trained exactly once
   overall, and serving resumes from the last checkpointed adapter.
@@ -43,20 +44,21 @@ FACTS = [
     ("Who wrote the novel 'Glass Orchards'?", "'Glass Orchards' was written by Ilse Farrow.", "farrow"),
     ("What is the mascot of the Brindle Valley school?", "The Brindle Valley school's mascot is a heron.", "heron"),
 ]
-ROUNDS = 5  # of asking every question and correcting every answer
+ROUNDS = 7  # of asking every question and correcting every answer
+NUM_OTHERS = 16  # ShareGPT questions asked per round by people who give no feedback (the trainer's anchors)
 TEACH_FLAGS = [
-    *("--max-num-seqs", "10", "--max-model-len", "512", "--record-policy", "requested", "--record-dtype", "float32"),
+    *("--max-num-seqs", "26", "--max-model-len", "512", "--record-policy", "requested", "--record-dtype", "float32"),
     *("--train-batch-size", str(len(FACTS)), "--train-max-wait-s", "30", "--train-epochs", "1"),
     *("--train-lr", "2e-3", "--train-max-staleness", "0", "--keep-adapter-versions", "16"),
 ]
 
 
-def ask(server: ServerProcess, question: str) -> tuple[str, str]:
+def ask(server: ServerProcess, question: str, max_tokens: int = 24) -> tuple[str, str]:
     """(response id, text) of a greedy answer, its prompt recorded for training."""
     out = server.client().chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": question}],
-        max_tokens=24,
+        max_tokens=max_tokens,
         temperature=0.0,
         extra_body={"alchemist": {"record": True}},
     )
@@ -90,26 +92,49 @@ def stop(server: ServerProcess) -> None:
     stop_process(server.process)
 
 
-def ask_all(server: ServerProcess) -> list[tuple[str, str]]:
-    with ThreadPoolExecutor(len(FACTS)) as pool:  # concurrently, as many users would
-        return list(pool.map(lambda fact: ask(server, fact[0]), FACTS))
+def ask_all(server: ServerProcess, others: list[str] = ()) -> list[tuple[str, str]]:
+    """Every fact's question, and ``others`` (48-token answers) beside them; returns the facts' answers."""
+    with ThreadPoolExecutor(len(FACTS) + len(others)) as pool:  # concurrently, as many users would
+        facts = [pool.submit(ask, server, question) for question, _, _ in FACTS]
+        for question in others:
+            pool.submit(ask, server, question, 48)
+        return [f.result() for f in facts]
+
+
+def held_out_replies(tokenizer) -> list:
+    return sample_requests(
+        12, seed=7, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96, max_reply_tokens=96
+    )
+
+
+def other_questions(tokenizer) -> list[list[str]]:
+    """ROUNDS x NUM_OTHERS ShareGPT first-turn questions, none of the held-out replies' conversations."""
+    held_out = {s.messages[0]["content"] for s in held_out_replies(tokenizer)}
+    pool = sample_requests(
+        ROUNDS * NUM_OTHERS + 12, seed=11, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96
+    )
+    questions = [s.messages[0]["content"] for s in pool if s.messages[0]["content"] not in held_out]
+    return [questions[i * NUM_OTHERS : (i + 1) * NUM_OTHERS] for i in range(ROUNDS)]
 
 
 @pytest.fixture(scope="module")
-def taught(tmp_path_factory: pytest.TempPathFactory):
-    """A server that was asked every question and got every answer corrected, ROUNDS times over."""
+def taught(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer):
+    """A server that was asked every question and got every answer corrected, ROUNDS times over, while others
+    asked ShareGPT questions."""
     log_dir = tmp_path_factory.mktemp("online")
+    others = other_questions(smollm2_tokenizer)
     server = launch_server("teach", log_dir, log_dir / "data", TEACH_FLAGS)
     try:
         wait_ready(server)
-        before = answers = ask_all(server)
-        for _ in range(ROUNDS):
+        before = answers = ask_all(server, others[0])
+        for round_ in range(ROUNDS):
             acks = [
                 feedback(server, response_id=rid, correction=fix)
                 for (rid, _), (_, fix, _) in zip(answers, FACTS, strict=True)
             ]
             listing = wait_trained_through(server, max(int(a["id"].removeprefix("fb-")) for a in acks))
-            answers = ask_all(server)  # served by the version that trained on this round
+            # Served by the version that trained on this round; the others' questions are the next round's anchors.
+            answers = ask_all(server, others[round_ + 1] if round_ + 1 < ROUNDS else [])
         yield server, before, answers, listing
     finally:
         stop(server)
@@ -121,27 +146,32 @@ def test_served_answers_learn_the_corrected_facts(taught):
         key in text.lower() for (_, text), (_, _, key) in zip(before, FACTS, strict=True)
     )  # it could not know them
     learned = [key in text.lower() for (_, text), (_, _, key) in zip(after, FACTS, strict=True)]
+    print(f"facts learned: {sum(learned)} of {len(FACTS)}")
     assert sum(learned) >= 0.9 * len(FACTS), [text for _, text in after]
     metrics = server.metrics()
-    # Every sample replayed its prompt's record, made by the adapter version it trained (max staleness 0: exact).
+    # Every sample replayed its prompt's record, made by the adapter version it trained (max staleness 0: exact),
+    # and so did every anchor: each step's anchors were the others' questions of its round.
     assert metrics['alchemist:training_samples_total{path="replay"}'] == ROUNDS * len(FACTS), metrics
     assert metrics["alchemist:training_replay_hit_rate"] == 1.0
+    assert metrics['alchemist:training_anchor_samples_total{path="replay"}'] == ROUNDS * NUM_OTHERS, metrics
+    assert metrics['alchemist:training_anchor_samples_total{path="recompute"}'] == 0
     num_layers = 30  # SmolLM2-135M: every replayed record's layers came back through the prefetch window
-    assert metrics['alchemist:training_record_layers_total{source="reload"}'] == ROUNDS * len(FACTS) * num_layers
+    replays = ROUNDS * (len(FACTS) + NUM_OTHERS)
+    assert metrics['alchemist:training_record_layers_total{source="reload"}'] == replays * num_layers
     assert metrics['alchemist:training_record_layers_total{source="recompute"}'] == 0  # all in memory: reload
     assert metrics["alchemist:training_records_unreadable_total"] == 0
 
 
-def test_held_out_perplexity_stays_bounded(taught, smollm2, smollm2_tokenizer):
-    """Issue 5 asks for a rise below 10%; this loop measured ~55-90% (SmolLM2, r=16 on all modules, Adam at 2e-3:
-    memorising the facts moves the model broadly), so that goal is open. The bound here catches a broken or
-    diverged trainer (which sends perplexity up by orders of magnitude), and the rise is printed."""
+def test_held_out_perplexity_rises_less_than_ten_percent(taught, smollm2, smollm2_tokenizer):
+    """The facts were taught without making the model worse at everything else: the perplexity of held-out
+    ShareGPT replies (12 conversations nobody asked here) rose by less than 10%. Without the anchors this loop
+    measured 55-100% (docs/benchmarks.md, "Teaching without forgetting")."""
     _, _, _, listing = taught
     latest = max(v["version"] for v in listing["data"])
     model, tok = smollm2.model, smollm2_tokenizer
     checkpoints = AdapterCheckpoints(Path(taught[0].log_path).parent / "data" / "adapters", keep=16)
     adapter, _, _ = checkpoints.load(latest, model.config)
-    held_out = sample_requests(12, seed=7, mode="first_turn", tokenizer=tok, max_prompt_tokens=96, max_reply_tokens=96)
+    held_out = held_out_replies(tok)
 
     def nll(lora) -> float:
         total, count = 0.0, 0
@@ -155,7 +185,8 @@ def test_held_out_perplexity_stays_bounded(taught, smollm2, smollm2_tokenizer):
 
     rise = math.exp(nll(adapter) - nll(None)) - 1
     print(f"held-out perplexity rise: {rise:.1%}")
-    assert 0 < rise < 1.5, f"held-out perplexity rose {rise:.1%}"
+    assert rise < 0.10, f"held-out perplexity rose {rise:.1%}"
+    assert all(v["metrics"].get("anchors") == NUM_OTHERS for v in listing["data"] if "anchors" in v["metrics"])
 
 
 def test_rollback_serves_the_earlier_outputs_exactly(taught):

@@ -1,0 +1,113 @@
+"""Anchors (alchemist.training.anchors): the KL to the base model on served traffic that keeps a learning model
+close to what it was. Its loss and gradient through replay equal recompute's; the pool keeps recent completions
+and never one whose prompt got feedback; the online trainer trains on them beside the feedback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alchemist.engine import SamplingParams
+from alchemist.model.loader import build_model
+from alchemist.training.anchors import Anchor, AnchorPool, Targets, kl_to_targets, reference_targets
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.replay import replay_backward
+from tests.engine.helpers import random_prompts, run_to_end
+from tests.training.recording import record_alone, record_batched_chunked
+from tests.training.test_online import drain, engine, online, serve_and_log  # noqa: F401 (the engine fixture)
+from tests.training.test_replay import grads_of, lora_with_nonzero_b, max_rel_l2
+
+
+def test_kl_to_targets_is_the_kl_over_the_kept_tokens():
+    g = torch.Generator().manual_seed(0)
+    ref, logits = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
+    full = F.log_softmax(ref, -1)
+    everything = Targets(torch.arange(40).expand(5, 40), full)
+    expected = F.kl_div(F.log_softmax(logits, -1), full, log_target=True, reduction="sum") / 5
+    assert kl_to_targets(logits, everything).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert kl_to_targets(ref, everything).item() == pytest.approx(0.0, abs=1e-6)  # no distance to itself
+    top = full.topk(8, -1)
+    assert 0 < kl_to_targets(logits, Targets(top.indices, top.values)).item() < expected.item() + 1  # a part of it
+
+
+def test_reference_targets_are_the_base_models_top_k(tiny_dirs):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    prompt, response = list(range(3, 20)), [5, 9, 11, 2]
+    targets = reference_targets(model, prompt, response, top_k=6)
+    assert targets.ids.shape == targets.logprobs.shape == (4, 6)
+    # With the adapter off (B = 0 anyway here) the recompute path's KL to its own targets is zero.
+    loss = recompute_loss(model, None, torch.tensor(prompt), torch.tensor(response), targets)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("prefill", ["alone", "batched_chunked"])
+def test_anchor_replay_gradients_equal_recompute(tiny_dirs, prefill):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = lora_with_nonzero_b(model)  # the adapted model differs from the base: a non-zero KL and gradient
+    g = torch.Generator().manual_seed(4)
+    prompt, response = torch.randint(0, 256, (40,), generator=g), torch.randint(0, 256, (11,), generator=g)
+    targets = reference_targets(model, prompt.tolist(), response.tolist(), top_k=16)
+    if prefill == "alone":
+        record = record_alone(model, adapter, prompt)
+    else:
+        record = record_batched_chunked(model, adapter, prompt, [torch.randint(0, 256, (25,), generator=g)], chunk=16)
+    adapter.zero_grad(set_to_none=True)
+    loss_ref = recompute_loss(model, adapter, prompt, response, targets)
+    loss_ref.backward()
+    ref = grads_of(adapter)
+    adapter.zero_grad(set_to_none=True)
+    loss = replay_backward(model, adapter, lambda layer: record.layers[layer], prompt, response, targets=targets)
+    assert loss_ref.item() > 0
+    assert loss == pytest.approx(loss_ref.item(), rel=1e-5)
+    assert max_rel_l2(ref, grads_of(adapter)) <= 1e-5
+
+
+def test_pool_keeps_the_most_recent_and_never_a_prompt_with_feedback():
+    pool = AnchorPool(max_size=3)
+    for i in range(5):
+        pool.offer(Anchor(f"r{i}", [1, 2, i], [7, 8]))
+    assert [a.response_id for a in pool.recent(10)] == ["r4", "r3", "r2"]  # newest first, bounded
+    pool.offer(Anchor("empty", [1, 2], []))  # nothing served: nothing to stay close on
+    assert len(pool) == 3
+    pool.exclude("r9", [1, 2, 3])  # feedback on another completion of r3's prompt
+    assert [a.response_id for a in pool.recent(10)] == ["r4", "r2"]
+    pool.offer(Anchor("r10", [1, 2, 3], [7]))  # the same prompt served again: still excluded
+    assert [a.response_id for a in pool.recent(1)] == ["r4"]
+    with pytest.raises(ValueError, match="max_size"):
+        AnchorPool(max_size=0)
+
+
+def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):  # noqa: F811
+    trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=3, epochs=1, batch_size=2)
+    prompts = random_prompts([30, 33, 36, 39], seed=9)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    outputs = run_to_end(engine)
+    for i, prompt in enumerate(prompts):
+        trainer.anchors.offer(Anchor(f"a{i}", prompt, outputs[f"a{i}"][-1].output_token_ids, record_id=f"a{i}"))
+    seqs = serve_and_log(engine, log, 2)
+    drain(trainer)
+    s = trainer.stats
+    assert s.samples == 2 and s.anchor_samples == 3 and s.anchor_tokens == 15
+    assert s.anchor_replayed == 3  # their prompts were recorded by the version being trained (0)
+    # The first step starts at the base model (B = 0): the anchors' KL is zero there, and it is measured.
+    assert s.last_anchor_kl == pytest.approx(0.0, abs=1e-6)
+    assert checkpoints.versions()[-1].metrics["anchors"] == 3
+    assert checkpoints.versions()[-1].log_position == seqs[-1]
+    # Anchors are the most recent completions; feedback on one of them takes its prompt out of the pool.
+    assert [a.response_id for a in trainer.anchors.recent(10)] == ["a3", "a2", "a1", "a0"]
+    log.append(
+        response_id="a3", kind="sft", correction="x", prompt_token_ids=prompts[3], response_token_ids=[1, 2],
+        output_token_ids=[1, 2], adapter_version=engine.adapter_version, recorded=True,
+    )  # fmt: skip
+    trainer.has_work()  # reads the log
+    assert [a.response_id for a in trainer.anchors.recent(10)] == ["a2", "a1", "a0"]
+
+
+def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):  # noqa: F811
+    trainer, log, _ = online(engine, tmp_path, anchor_weight=0.0, epochs=1)
+    trainer.anchors.offer(Anchor("a0", [1, 2, 3], [4, 5]))
+    serve_and_log(engine, log, 2)
+    drain(trainer)
+    assert trainer.stats.samples == 2 and trainer.stats.anchor_samples == 0
