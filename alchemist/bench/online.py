@@ -264,20 +264,23 @@ def summarize(run: str, results: list[RequestResult], failed: int, duration_s: f
 
 
 TRAINING_FIELDS = (
-    "train_tokens_load", "train_s_load", "train_tok_s_load", "train_tokens", "train_s", "train_tok_s", "steps",
-    "replayed", "recomputed", "replay_hit_rate", "drain_s", "drained",
+    "train_tokens_load", "train_s_load", "train_tok_s_load", "train_tokens", "anchor_tokens", "train_s", "train_tok_s",
+    "steps", "replayed", "recomputed", "replay_hit_rate", "drain_s", "drained",
 )  # fmt: skip
 
 
 def training_numbers(before: dict, after_load: dict, end: dict) -> dict:
-    """Training during the load (``*_load``) and overall (load + drain), from /metrics differences."""
+    """Training during the load (``*_load``) and overall (load + drain), from /metrics differences. Trained
+    tokens are the feedback's and the anchors' (the KL to the base model on served traffic): both are trained."""
     p = "alchemist:training_"
-    missing = [n for n in ("tokens_total", "seconds_total", "steps_total", "replay_hit_rate") if p + n not in end]
+    names = ("tokens_total", "anchor_tokens_total", "seconds_total", "steps_total", "replay_hit_rate")
+    missing = [n for n in names if p + n not in end]
     if missing:
         raise RuntimeError(f"/metrics lacks {', '.join(p + n for n in missing)}")
     delta = lambda a, name: a[p + name] - before[p + name]
-    tokens_load, s_load = delta(after_load, "tokens_total"), delta(after_load, "seconds_total")
-    tokens, s = delta(end, "tokens_total"), delta(end, "seconds_total")
+    trained = lambda a: delta(a, "tokens_total") + delta(a, "anchor_tokens_total")  # noqa: E731
+    tokens_load, s_load = trained(after_load), delta(after_load, "seconds_total")
+    tokens, s = trained(end), delta(end, "seconds_total")
     return {
         "train_tokens_load": int(tokens_load),
         "train_s_load": round(s_load, 1),
@@ -285,6 +288,7 @@ def training_numbers(before: dict, after_load: dict, end: dict) -> dict:
         "train_tokens": int(tokens),
         "train_s": round(s, 1),
         "train_tok_s": round(tokens / s, 1) if s > 0 else None,
+        "anchor_tokens": int(delta(end, "anchor_tokens_total")),
         "steps": int(delta(end, "steps_total")),
         "replayed": int(delta(end, 'samples_total{path="replay"}')),
         "recomputed": int(delta(end, 'samples_total{path="recompute"}')),

@@ -198,9 +198,8 @@ class OnlineTrainer:
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
     def _train(self, batch: list[FeedbackEntry]) -> Generator[None, None, None]:
-        samples = [
-            Sample(e.prompt_token_ids, e.response_token_ids, e.response_id if e.recorded else None) for e in batch
-        ]
+        # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
+        samples = [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in batch]
         anchors = yield from self._anchor_samples()
         losses, kls, tokens = [], [], 0
         self._job_s = 0.0

@@ -32,8 +32,10 @@ def test_bench_online_tiny():
         assert r["drained"] is True and r["steps"] >= 1
         assert r["train_tokens"] > 0 and r["train_s"] > 0 and r["train_tok_s"] > 0
         assert 0 <= r["train_tokens_load"] <= r["train_tokens"]
-    # Both trained the same 2 corrections; replay replayed them all (fresh records), recompute none.
-    assert runs["replay"]["train_tokens"] == runs["recompute"]["train_tokens"]
+    # Both trained the same 2 corrections (their anchors, the other completions served before a step, may differ
+    # with timing); replay replayed them all (fresh records), recompute none.
+    feedback_tokens = {name: runs[name]["train_tokens"] - runs[name]["anchor_tokens"] for name in runs if name != "off"}
+    assert feedback_tokens["replay"] == feedback_tokens["recompute"] > 0
     assert (runs["replay"]["replayed"], runs["replay"]["recomputed"], runs["replay"]["replay_hit_rate"]) == (2, 0, 1.0)
     assert (runs["recompute"]["replayed"], runs["recompute"]["recomputed"]) == (0, 2)
     ratios = {r["ratio"]: r for r in rows if "ratio" in r}
