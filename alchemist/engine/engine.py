@@ -164,6 +164,10 @@ class LLMEngine:
             pending = self._pending.adapter
         return pending[1] if pending is not None else self.runner.adapter_version
 
+    def close(self) -> None:
+        """The engine is done: its activation store drops every record and file and stops its disk writer."""
+        self.store.close()
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._seqs or self._pending.aborts or self._aborted)

@@ -176,7 +176,13 @@ class AsyncEngine:
 
     def run_steps(self) -> None:
         """Step the engine while it has work, run background slices in the gaps, sleep while there is nothing to
-        do; return after ``shutdown()``."""
+        do; return after ``shutdown()``, closing the engine (its record files go; the stepping thread owns it)."""
+        try:
+            self._step_until_stopped()
+        finally:
+            self.engine.close()
+
+    def _step_until_stopped(self) -> None:
         while True:
             with self._cond:
                 # The check and the wait hold the lock that _wake() takes, so a wake-up cannot slip in between.
