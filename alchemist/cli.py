@@ -89,6 +89,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--train-anchor-samples", type=int, default=16, help="recent served completions per step (anchors)")
     p.add_argument("--train-anchor-top-k", type=int, default=32, help="base-model tokens kept per anchor position")
+    p.add_argument("--train-anchor-max-tokens", type=int, default=64, help="response tokens of an anchor")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--keep-adapter-versions", type=int, default=8, help="adapter versions kept (rollback targets)")
@@ -110,6 +111,7 @@ def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazil
         anchor_weight=args.train_anchor_weight,
         anchor_samples=args.train_anchor_samples,
         anchor_top_k=args.train_anchor_top_k,
+        anchor_max_tokens=args.train_anchor_max_tokens,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,

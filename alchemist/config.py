@@ -155,11 +155,12 @@ class OnlineConfig:
     anchor_weight: float = 3.0
     anchor_samples: int = 16
     anchor_top_k: int = 32
+    anchor_max_tokens: int = 64  # an anchor is its response's first tokens (a sample of the KL's positions)
     anchor_pool_size: int = 256  # served completions kept as candidate anchors
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "lora_r", "keep_versions")
-        _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_pool_size")
+        _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_max_tokens", "anchor_pool_size")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
         if not self.max_wait_s >= 0:

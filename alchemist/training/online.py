@@ -249,17 +249,18 @@ class OnlineTrainer:
         self.position = batch[-1].seq
 
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
-        """The batch's anchors: the most recent served completions, each with the base model's top-k
-        distribution on its response (computed once per anchor, one slice each)."""
+        """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
+        each with the base model's top-k distribution there (computed once per anchor, one slice each)."""
         if not self.config.anchor_weight:
             return []
         samples = []
-        for anchor in self.anchors.recent(self.config.anchor_samples):
+        c = self.config
+        for anchor in self.anchors.recent(c.anchor_samples):
+            response = anchor.response_ids[: c.anchor_max_tokens]
             if anchor.targets is None:
-                top_k = self.config.anchor_top_k
-                anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, anchor.response_ids, top_k)
+                anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, response, c.anchor_top_k)
                 yield
-            samples.append(Sample(anchor.prompt_ids, anchor.response_ids, anchor.record_id, anchor.targets))
+            samples.append(Sample(anchor.prompt_ids, response, anchor.record_id, anchor.targets))
         return samples
 
     # --- rollback (any thread) -----------------------------------------------------------------------------------

@@ -111,3 +111,13 @@ def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):  # noqa: F811
     serve_and_log(engine, log, 2)
     drain(trainer)
     assert trainer.stats.samples == 2 and trainer.stats.anchor_samples == 0
+
+
+def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):  # noqa: F811
+    trainer, log, _ = online(engine, tmp_path, anchor_samples=2, anchor_max_tokens=3, epochs=1)
+    trainer.anchors.offer(Anchor("a0", [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]))
+    trainer.anchors.offer(Anchor("a1", [1, 2, 3, 5], [5, 6]))
+    serve_and_log(engine, log, 2)
+    drain(trainer)
+    assert trainer.stats.anchor_samples == 2 and trainer.stats.anchor_tokens == 3 + 2
+    assert [a.targets.ids.shape[0] for a in trainer.anchors.recent(2)] == [2, 3]  # targets for what is trained
