@@ -255,8 +255,7 @@ class OpenAIServing:
             )
         )
         if self.anchors is not None and acc.finish_reason in ("stop", "length"):
-            # Its record (if any policy made one) is keyed by the response id.
-            self.anchors.offer(Anchor(request_id, acc.prompt_token_ids, acc.output_token_ids, request_id))
+            self.anchors.offer(Anchor(request_id, acc.prompt_token_ids, acc.output_token_ids))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -260,7 +260,7 @@ class OnlineTrainer:
             if anchor.targets is None:
                 anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, response, c.anchor_top_k)
                 yield
-            samples.append(Sample(anchor.prompt_ids, response, anchor.record_id, anchor.targets))
+            samples.append(Sample(anchor.prompt_ids, response, anchor.response_id, anchor.targets))
         return samples
 
     # --- rollback (any thread) -----------------------------------------------------------------------------------

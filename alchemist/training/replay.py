@@ -32,9 +32,8 @@ from alchemist.model.attention import bottom_right_causal_mask
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.seam import COMPUTE
-from alchemist.training.anchors import Targets
+from alchemist.training.losses import Targets, response_loss
 from alchemist.training.prompt_backward import PromptRecord, prompt_kv, prompt_layer_backward
-from alchemist.training.recompute import response_loss
 
 T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
@@ -131,7 +130,7 @@ def replay_backward_slices(
     """``replay_backward`` in slices: yields after the live stream's forward and backward and after each layer of
     the walk (the points where serving may preempt training); returns the loss. ``walk_layers`` (default
     ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the loss is the KL to them
-    (an anchor, ``alchemist.training.anchors``) instead of the response's cross-entropy."""
+    (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
     num_prompt, dtype, device = len(prompt_ids), model.dtype, prompt_ids.device
     n = num_prompt - 1  # prompt rows replayed; row P-1 runs live

@@ -19,8 +19,8 @@ from alchemist.activations.record import Record
 from alchemist.activations.store import ActivationStore, RecordUnavailable
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.anchors import Targets
 from alchemist.training.hedge import CostModel
+from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import replay_backward_slices, run_to_end

@@ -28,7 +28,8 @@ import torch
 from alchemist.bench.serving import stop_process
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.recompute import recompute_loss
+from alchemist.training.losses import log_probs
+from alchemist.training.recompute import response_hidden
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
 
 # (question, correction, what the answer must contain): facts the model cannot know.
@@ -107,6 +108,18 @@ def held_out_replies(tokenizer) -> list:
     )
 
 
+def held_out_nll(model, tokenizer, adapter) -> torch.Tensor:
+    """The negative log-likelihood of every token of the held-out replies (teacher-forced, concatenated)."""
+    nlls = []
+    with torch.no_grad():
+        for s in held_out_replies(tokenizer):
+            prompt = torch.tensor(tokenizer.apply_chat_template(s.messages))
+            reply = torch.tensor(tokenizer.encode_reply(s.reply))
+            logprobs = log_probs(model.logits(response_hidden(model, adapter, prompt, reply)))
+            nlls.append(-logprobs.gather(-1, reply[:, None])[:, 0])
+    return torch.cat(nlls)
+
+
 def other_questions(tokenizer) -> list[list[str]]:
     """ROUNDS x NUM_OTHERS ShareGPT first-turn questions, none of the held-out replies' conversations."""
     held_out = {s.messages[0]["content"] for s in held_out_replies(tokenizer)}
@@ -165,28 +178,16 @@ def test_served_answers_learn_the_corrected_facts(taught):
 def test_held_out_perplexity_rises_less_than_ten_percent(taught, smollm2, smollm2_tokenizer):
     """The facts were taught without making the model worse at everything else: the perplexity of held-out
     ShareGPT replies (12 conversations nobody asked here) rose by less than 10%. Without the anchors this loop
-    measured 55-100% (docs/benchmarks.md, "Teaching without forgetting")."""
+    (then 5 rounds) measured 55-90% (docs/benchmarks.md, "Teaching without forgetting")."""
     _, _, _, listing = taught
     latest = max(v["version"] for v in listing["data"])
-    model, tok = smollm2.model, smollm2_tokenizer
     checkpoints = AdapterCheckpoints(Path(taught[0].log_path).parent / "data" / "adapters", keep=16)
-    adapter, _, _ = checkpoints.load(latest, model.config)
-    held_out = held_out_replies(tok)
-
-    def nll(lora) -> float:
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for s in held_out:
-                prompt = torch.tensor(tok.apply_chat_template(s.messages))
-                reply = torch.tensor(tok.encode_reply(s.reply))
-                total += recompute_loss(model, lora, prompt, reply).item() * len(reply)
-                count += len(reply)
-        return total / count
-
-    rise = math.exp(nll(adapter) - nll(None)) - 1
+    adapter, _, _ = checkpoints.load(latest, smollm2.model.config)
+    taught_nll, base_nll = (held_out_nll(smollm2.model, smollm2_tokenizer, lora).mean() for lora in (adapter, None))
+    rise = math.exp(taught_nll - base_nll) - 1
     print(f"held-out perplexity rise: {rise:.1%}")
     assert rise < 0.10, f"held-out perplexity rose {rise:.1%}"
-    assert all(v["metrics"].get("anchors") == NUM_OTHERS for v in listing["data"] if "anchors" in v["metrics"])
+    assert [v["metrics"]["anchors"] for v in listing["data"]] == [NUM_OTHERS] * ROUNDS  # every step had its anchors
 
 
 def test_rollback_serves_the_earlier_outputs_exactly(taught):

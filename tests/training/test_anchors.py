@@ -10,12 +10,13 @@ import torch.nn.functional as F
 
 from alchemist.engine import SamplingParams
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, Targets, kl_to_targets, reference_targets
+from alchemist.training.anchors import Anchor, AnchorPool, reference_targets
+from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import replay_backward
 from tests.engine.helpers import random_prompts, run_to_end
 from tests.training.recording import record_alone, record_batched_chunked
-from tests.training.test_online import drain, engine, online, serve_and_log  # noqa: F401 (the engine fixture)
+from tests.training.test_online import drain, online, serve_and_log
 from tests.training.test_replay import grads_of, lora_with_nonzero_b, max_rel_l2
 
 
@@ -78,14 +79,14 @@ def test_pool_keeps_the_most_recent_and_never_a_prompt_with_feedback():
         AnchorPool(max_size=0)
 
 
-def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):  # noqa: F811
+def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):
     trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=3, epochs=1, batch_size=2)
     prompts = random_prompts([30, 33, 36, 39], seed=9)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     outputs = run_to_end(engine)
     for i, prompt in enumerate(prompts):
-        trainer.anchors.offer(Anchor(f"a{i}", prompt, outputs[f"a{i}"][-1].output_token_ids, record_id=f"a{i}"))
+        trainer.anchors.offer(Anchor(f"a{i}", prompt, outputs[f"a{i}"][-1].output_token_ids))
     seqs = serve_and_log(engine, log, 2)
     drain(trainer)
     s = trainer.stats
@@ -105,7 +106,7 @@ def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):  #
     assert [a.response_id for a in trainer.anchors.recent(10)] == ["a2", "a1", "a0"]
 
 
-def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):  # noqa: F811
+def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, anchor_weight=0.0, epochs=1)
     trainer.anchors.offer(Anchor("a0", [1, 2, 3], [4, 5]))
     serve_and_log(engine, log, 2)
@@ -113,7 +114,7 @@ def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):  # noqa: F811
     assert trainer.stats.samples == 2 and trainer.stats.anchor_samples == 0
 
 
-def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):  # noqa: F811
+def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, anchor_samples=2, anchor_max_tokens=3, epochs=1)
     trainer.anchors.offer(Anchor("a0", [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]))
     trainer.anchors.offer(Anchor("a1", [1, 2, 3, 5], [5, 6]))

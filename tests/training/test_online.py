@@ -10,20 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
-from alchemist.model.loader import build_model
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
-from tests.engine.helpers import char_tokenizer, random_prompts, run_to_end
-
-
-@pytest.fixture
-def engine(tiny_dirs) -> LLMEngine:
-    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
-    return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+from tests.engine.helpers import random_prompts, run_to_end
 
 
 def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) -> list[int]:
