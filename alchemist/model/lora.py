@@ -124,13 +124,19 @@ class LoraAdapter(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def add_up(
-        self, layer: int, name: str, base: torch.Tensor, xa: torch.Tensor, parts: tuple[str, ...] | None = None
+        self,
+        layer: int,
+        name: str,
+        base: torch.Tensor,
+        xa: torch.Tensor,
+        parts: tuple[str, ...] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``base + up(layer, name, xa, parts)`` as a fresh tensor in xa's dtype, without materializing the deltas:
-        one copy of ``base`` (the base outputs of exactly ``parts``' columns), then one in-place addmm per targeted
-        part. The replay walk rebuilds recorded outputs so. In fp32 bitwise the sum; in bf16 it rounds once where the
-        sum rounds twice (tests/model/test_lora.py)."""
-        out = base.to(xa.dtype, copy=True)
+        """``base + up(layer, name, xa, parts)`` in xa's dtype, without materializing the deltas: one copy of
+        ``base`` (the base outputs of exactly ``parts``' columns) into ``out`` (default: a fresh tensor), then one
+        in-place addmm per targeted part. The replay walk rebuilds recorded outputs so. In fp32 bitwise the sum; in
+        bf16 it rounds once where the sum rounds twice (tests/model/test_lora.py)."""
+        out = base.to(xa.dtype, copy=True) if out is None else out.copy_(base)
         targeted, r, col = self.targeted(name), self.config.r, 0
         for part in parts or FUSED_PARTS[name]:
             width = self.shapes[part][1]

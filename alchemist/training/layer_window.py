@@ -2,7 +2,7 @@
 
 The walk (``alchemist.training.replay``) consumes one prompt layer at a time from the top. A background thread
 reads the next layers in that order while the walk computes, holding at most ``depth`` layers that the walk has
-not taken yet; the walk drops each layer after use. So peak training memory holds the live stream's graph plus
+not taken yet; the walk drops each layer after use. So peak training memory holds the live forward's kept values plus
 ``depth + 1`` prompt layers, whichever tier the record lives in (shared/design/activation-reuse.md, section 6),
 and a read from host memory or disk overlaps the walk's compute instead of adding to it.
 

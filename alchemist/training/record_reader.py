@@ -1,6 +1,6 @@
 """Where one replay gets its record's layers: the store, through the prefetch window, reloaded or recomputed.
 
-The live stream's forward (phase 1 of ``alchemist.training.replay``) reads each layer's input and q/k/v
+The live forward (phase 1 of ``alchemist.training.replay``) reads each layer's input and q/k/v
 (``FORWARD_NAMES``, a quarter of a layer's bytes) in forward order, the walk (phase 2) what it needs of each layer
 from the top; each through a ``LayerWindow`` whose thread reads ahead. Per layer the ``hedge.plan`` for the
 record's tier says whether the walk's thread reloads the layer's outputs or only its input, which the walk then

@@ -2,22 +2,24 @@
 
 Built as the layer walk of shared/design/activation-reuse.md, section 6:
 
-1. The **live stream** is positions P-1 .. P+R-2 (the last prompt token and every response token but the last:
-   exactly the rows whose logits carry loss). It runs forward through all layers; at each layer it attends to
-   [prompt K/V ; its own K/V], where the prompt's K/V (positions 0..P-2) are **leaf tensors** built from the
-   record (recorded base q/k/v outputs + the live LoRA delta on the recorded layer input, then RoPE).
-2. Backward of the loss through the live graph gives the LoRA gradients of the live rows and dK, dV of every
-   layer's prompt leaves.
-3. **Walk** the layers from the top: layer l's prompt rows are differentiated by hand
-   (``alchemist.training.prompt_backward``) from the layer's record, the gradient dh of its output rows (from the
-   layer above; none at the top) and dK_l, dV_l of its leaves (the live rows' attention to the prompt). No base
-   matmul and no attention forward runs; only the cheap ops whose values the backward needs are recomputed.
+1. The **live forward**: positions P-1 .. P+R-2 (the last prompt token and every response token but the last:
+   exactly the rows whose logits carry loss) run forward through all layers, without autograd. At each layer
+   they attend to [prompt K/V ; their own K/V], the prompt's rebuilt from the record (recorded base k/v outputs +
+   the live LoRA delta on the recorded layer input, then RoPE). Each layer keeps what its backward will read
+   (``LiveLayer``): the live rows' forward values and the keys and values of all rows.
+2. The loss's gradient with respect to the live rows' final hidden states (autograd over the final norm and the
+   LM head only).
+3. **Walk** the layers from the top: layer l's prompt rows and live rows are differentiated together, by hand
+   (``alchemist.training.layer_backward``), from the layer's record, its ``LiveLayer`` and the gradient of its
+   output rows from the layer above. No base matmul runs on the prompt rows and no attention forward; each base
+   weight is read once per layer for all n + R rows.
 
-Only one layer's prompt rows are worked on at a time: that is where the memory goes down. Phase 1 reads each
-layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the trainer
-passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host memory
-or disk comes back a few layers ahead of the walk and leaves right after. The leaves' values are reused by the
-walk, so the adapter must not change between the two phases.
+Only one layer's prompt rows are worked on at a time: that is where the memory goes down. The live forward reads
+each layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the
+trainer passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host
+memory or disk comes back a few layers ahead of the walk and leaves right after. The prompt's keys and values are
+kept from the forward for the walk, so the adapter must not change between the two. Replay runs on CPU: it uses
+the CPU flash kernels that return and consume the log-sum-exp (as recording does).
 """
 
 from __future__ import annotations
@@ -28,66 +30,20 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from alchemist.model.attention import bottom_right_causal_mask
-from alchemist.model.llama import Llama
+from alchemist.activations.record import record_widths
+from alchemist.model.attention import lse_dtype
+from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
+from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
+from alchemist.training.layer_backward import LiveLayer, PromptRecord, layer_backward, prompt_kv
 from alchemist.training.losses import Targets, response_loss
-from alchemist.training.prompt_backward import PromptRecord, prompt_kv, prompt_layer_backward
 
 T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-class LiveAttention(torch.autograd.Function):
-    """The live rows' attention, split over two key sets and merged by log-sum-exp: the prompt's keys (all
-    visible: no mask) and the live rows' own keys (square and causal, so the kernel skips the blocks above the
-    diagonal). One masked call over the concatenation would compute every block and copy K/V into it.
-
-    The backward runs the flash backward once per key set with the *merged* output and lse: it recomputes each
-    probability as exp(score - lse) and uses rowsum(dout * out), both of which are those of the whole softmax,
-    so the two calls give exactly the gradients of one attention over all keys. Shapes (1, heads, rows, Dh).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k_prompt, v_prompt, k_live, v_live, scale: float):  # type: ignore[override]
-        out_p, lse_p = _flash(q, k_prompt, v_prompt, 0.0, False, scale=scale)
-        out_l, lse_l = _flash(q, k_live, v_live, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_p, lse_l)
-        out = (lse_p - lse).exp().unsqueeze(-1).to(q.dtype) * out_p + (lse_l - lse).exp().unsqueeze(-1).to(
-            q.dtype
-        ) * out_l
-        ctx.save_for_backward(q, k_prompt, v_prompt, k_live, v_live, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        q, k_prompt, v_prompt, k_live, v_live, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        dq_p, dk_p, dv_p = _flash_backward(grad_out, q, k_prompt, v_prompt, out, lse, 0.0, False, scale=ctx.scale)
-        dq_l, dk_l, dv_l = _flash_backward(grad_out, q, k_live, v_live, out, lse, 0.0, True, scale=ctx.scale)
-        return dq_p + dq_l, dk_p, dv_p, dk_l, dv_l, None
-
-
-def live_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prompt: torch.Tensor, v_prompt: torch.Tensor
-) -> torch.Tensor:
-    """q, k, v (R, heads, Dh) of the live rows; k_prompt, v_prompt (n, Hkv, Dh) -> (R, H, Dh)."""
-    to4d = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
-    scale = q.shape[-1] ** -0.5
-    if q.device.type == "cpu":
-        out = LiveAttention.apply(to4d(q), to4d(k_prompt), to4d(v_prompt), to4d(k), to4d(v), scale)
-    else:  # CUDA: one masked SDPA over [prompt ; live] keys
-        num_q, num_k = q.shape[0], k_prompt.shape[0] + k.shape[0]
-        mask = bottom_right_causal_mask(num_q, num_k, q.dtype, q.device)
-        k, v = torch.cat([k_prompt, k]), torch.cat([v_prompt, v])
-        out = F.scaled_dot_product_attention(to4d(q), to4d(k), to4d(v), attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def replay_backward(
@@ -127,48 +83,90 @@ def replay_backward_slices(
     walk_layers: RecordLayers | None = None,
     targets: Targets | None = None,
 ) -> Generator[None, None, float]:
-    """``replay_backward`` in slices: yields after the live stream's forward and backward and after each layer of
+    """``replay_backward`` in slices: yields after the live forward, after the loss's backward and after each layer of
     the walk (the points where serving may preempt training); returns the loss. ``walk_layers`` (default
     ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the loss is the KL to them
     (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
-    num_prompt, dtype, device = len(prompt_ids), model.dtype, prompt_ids.device
-    n = num_prompt - 1  # prompt rows replayed; row P-1 runs live
+    n = len(prompt_ids) - 1  # prompt rows replayed; row P-1 runs live
+    if not n:  # a one-token prompt: the live rows are the whole sequence, no record is read
+        record_layers = walk_layers = no_rows(model)
     live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
-    rot_live = model.rope(torch.arange(n, n + len(live_ids), device=device), dtype)
-    rot_prompt = model.rope(torch.arange(n, device=device), dtype)
+    rot = model.rope(torch.arange(n + len(live_ids), device=prompt_ids.device), model.dtype)
 
-    # 1. Live stream forward, with each layer's prompt K/V as leaves.
-    leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
-    h = F.embedding(live_ids, model.embed)
-    for layer in range(model.config.num_layers):
-        if n:
-            rec = PromptRecord(record_layers(layer), n, dtype)
-            k_p, v_p = prompt_kv(model, adapter, layer, rec, rot_prompt)
-            leaves.append((k_p.requires_grad_(), v_p.requires_grad_()))
-        q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
-        if n:
-            attn = live_attention(q, k, v, *leaves[-1])
-        else:  # a one-token prompt: the live rows are the whole sequence
-            attn = F.scaled_dot_product_attention(
-                *(t.transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-            ).transpose(0, 1)
-        h = model.mlp(layer, model.attention_output(layer, h, attn, COMPUTE, adapter), COMPUTE, adapter)
-    loss = response_loss(model, h, response_ids, targets)
+    # 1. The live forward, keeping each layer's values for the walk.
+    lives, h = live_forward(model, adapter, record_layers, live_ids, n, rot)
+    h_top = h.requires_grad_()
+    loss = response_loss(model, h_top, response_ids, targets)
     yield
+    # 2. The loss's gradient at the live rows' final hidden states.
     (loss * loss_scale).backward()
-    if not n:
-        return loss.item()
     yield
 
-    # 2. Walk the prompt rows from the top layer down, one layer at a time.
-    dh: torch.Tensor | None = None  # gradient of this layer's output rows (none above the top layer)
+    # 3. Walk the layers from the top down, prompt and live rows together.
+    dh: torch.Tensor | None = h_top.grad  # gradient of this layer's output rows: the live rows' at the top
     for layer in reversed(range(model.config.num_layers)):
-        k_leaf, v_leaf = leaves.pop()
-        rec = PromptRecord(walk_layers(layer), n, dtype)
-        dh = prompt_layer_backward(
-            model, adapter, layer, rec, rot_prompt, k_leaf.detach(), v_leaf.detach(), k_leaf.grad, v_leaf.grad, dh
-        )
+        rec = PromptRecord(walk_layers(layer), n, model.dtype)
+        assert dh is not None
+        dh = layer_backward(model, adapter, layer, rec, lives.pop(), rot, dh)
         if layer:
             yield
     return loss.item()
+
+
+@torch.no_grad()
+def live_forward(
+    model: Llama,
+    adapter: LoraAdapter,
+    record_layers: RecordLayers,
+    live_ids: torch.Tensor,
+    n: int,
+    rot: Rotation,
+) -> tuple[list[LiveLayer], torch.Tensor]:
+    """The live rows (positions n .. n+R-1) through every layer, attending to the prompt's n recorded rows;
+    returns each layer's ``LiveLayer`` and the final hidden states (R, d)."""
+    c = model.config
+    rot_prompt, rot_live = (Rotation(rot.cos[s], rot.sin[s]) for s in (slice(0, n), slice(n, None)))
+    lives: list[LiveLayer] = []
+    h = F.embedding(live_ids, model.embed)
+    for layer in range(c.num_layers):
+        rec = PromptRecord(record_layers(layer), n, model.dtype)
+        k_prompt, v_prompt = prompt_kv(model, adapter, layer, rec, rot_prompt)
+        q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
+        k, v = torch.cat([k_prompt, k]), torch.cat([v_prompt, v])  # (n + R, Hkv, Dh)
+        out, lse = _live_attention(q, k, v, n)
+        h_mid = model.attention_output(layer, h, out, COMPUTE, adapter)
+        gate_up = model.project(layer, "gate_up", rms_norm(h_mid, model.layers[layer].post_norm, c.rms_norm_eps),
+                                COMPUTE, adapter)  # fmt: skip
+        gate, up = gate_up.chunk(2, dim=-1)
+        lives.append(LiveLayer(h, q, k, v, out.flatten(-2), lse, h_mid, gate_up))
+        h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
+    return lives, h
+
+
+def no_rows(model: Llama) -> RecordLayers:
+    """A record of no rows (each tensor empty, of the recorded width)."""
+    lse = lse_dtype(model.dtype)
+    empty = {name: model.embed.new_empty(0, width, dtype=lse if name == "lse" else None)
+             for name, width in record_widths(model.config).items()}  # fmt: skip
+    return lambda layer: empty
+
+
+def _live_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The live rows' attention (R, H, Dh) and its lse (R, H), q (R, H, Dh), k and v (n + R, Hkv, Dh).
+
+    Split over two key sets and merged by log-sum-exp: the prompt's n keys (all visible: no mask) and the live
+    rows' own keys (square and causal, so the kernel skips the blocks above the diagonal). One masked call over
+    all keys would compute every block.
+    """
+    to4d = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  (rows, heads, Dh) -> (1, heads, rows, Dh)
+    scale = q.shape[-1] ** -0.5
+    out, lse = _flash(to4d(q), to4d(k[n:]), to4d(v[n:]), 0.0, True, scale=scale)
+    if n:
+        out_p, lse_p = _flash(to4d(q), to4d(k[:n]), to4d(v[:n]), 0.0, False, scale=scale)
+        merged = torch.logaddexp(lse_p, lse)
+        weight = lambda part_lse: (part_lse - merged).exp().unsqueeze(-1).to(q.dtype)  # noqa: E731
+        out, lse = weight(lse_p) * out_p + weight(lse) * out, merged
+    return out[0].transpose(0, 1), lse[0].t()

@@ -3,8 +3,8 @@
     python docs/profiles/replay_phases.py 512 32
 
 Prints the medians of 3 steps of recompute, prefill and replay (the functions ``bench train`` times, on SmolLM2,
-fp32 model and records), the bound's replay time (recompute - prefill), and the replay's phases: the live stream's
-forward (including phase 1's prompt K/V) and backward, and the walk.
+fp32 model and records), the bound's replay time (recompute - prefill), and the replay's phases: the live
+forward (including the prompt K/V and the loss), the loss's backward, and the walk.
 """
 
 import statistics
@@ -20,12 +20,12 @@ from alchemist.model.loader import build_model, hf_dir_for
 torch.set_num_threads(1)
 P, R = int(sys.argv[1]), int(sys.argv[2])
 steps = make_steps(build_model(hf_dir_for(None), torch.float32), P, R, torch.float32)
-phases: dict[str, list[float]] = {"live_forward": [], "live_backward": [], "walk": []}
+phases: dict[str, list[float]] = {"live_forward": [], "loss_backward": [], "walk": []}
 
 
 def timed_run_to_end(slices):
-    """replay.run_to_end, timing the slices: live forward, live backward, then the walk's layers."""
-    names, spent, t = ["live_forward", "live_backward"], {"walk": 0.0}, time.process_time()
+    """replay.run_to_end, timing the slices: live forward, loss backward, then the walk's layers."""
+    names, spent, t = ["live_forward", "loss_backward"], {"walk": 0.0}, time.process_time()
     while True:
         try:
             next(slices)

@@ -89,12 +89,12 @@ def test_corrupt_disk_record_is_recomputed_never_trained_on(model, adapter, samp
     expected, _ = gradients(model, adapter, None, sample)  # the recompute path's gradients
     store = record_down_to("disk", model, adapter, prompt, torch.float32, tmp_path)
     path = sorted(tmp_path.glob(f"*{disk.SUFFIX}"))[0]  # files are numbered in order of writing: "resp" went first
-    # Read in the walk's thread (no prefetch), so that the walk reads layer 0 after the live stream is done.
+    # Read in the walk's thread (no prefetch), so that the walk reads layer 0 after the live forward is done.
     trainer = Trainer(model, copy.deepcopy(adapter), store, TrainerConfig(prefetch_depth=0))
     slices = trainer.backward_slices(sample)
-    if when == "during the walk":  # the live stream ran, its gradients are accumulated, the walk began
+    if when == "during the walk":  # the walk began: the top layer's gradients are accumulated
         next(slices), next(slices), next(slices)
-        assert trainer.adapter.A["0_qkv"].grad is not None
+        assert trainer.adapter.A[f"{model.config.num_layers - 1}_qkv"].grad is not None
     flip_byte_of(path, "0.gate_up")
     loss, replayed = _run(slices)
     assert not replayed and loss > 0

@@ -1,0 +1,269 @@
+"""One decoder layer's backward over a replayed sequence, written out by hand: the step of the replay walk.
+
+The rows are the prompt's first n (positions 0..P-2, their forward values from the record) followed by the R live
+rows (P-1..P+R-2, their forward values kept by the live forward: ``LiveLayer``). Both go through one backward per
+layer: each base weight is read once for n + R rows, and attention is one causal flash backward over all n + R
+rows, as a recompute's backward would run it; the live rows need no autograd graph and no second pass of their own.
+
+Rebuilding the layer's forward graph for autograd would rerun every elementwise op of the forward (norms, RoPE,
+SiLU·mul, residuals, the full-width LoRA sums) and keep their outputs, only for autograd to read a few of them
+back. Here the backward is spelled out instead:
+
+- base linears: the input gradient ``grad @ W`` only (the base weights are frozen);
+- LoRA deltas: ``LoraAdapter.backward`` (dA, dB accumulated, dx added in place);
+- attention: the flash backward from the forward's output and log-sum-exp (never the forward);
+- RMSNorm, RoPE (a rotation by the opposite angle), SiLU·mul: their textbook backward.
+
+Only the forward values the backward reads are recomputed: the normed inputs, the LoRA down-projections, the prompt
+rows' q (with its LoRA delta, RoPE'd), o and gate/up with their deltas, and the SiLU·mul product. The gradients
+equal autograd's through the recompute path up to rounding (tests/training/test_replay.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from alchemist.model.attention import lse_dtype
+from alchemist.model.llama import Llama, rms_norm
+from alchemist.model.lora import LoraAdapter
+from alchemist.model.rope import Rotation, apply_rotary
+
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class PromptRecord:
+    """One layer's record, its first ``num_rows`` rows, each tensor cast to the compute dtype on first use."""
+
+    def __init__(self, layer_record: dict[str, torch.Tensor], num_rows: int, dtype: torch.dtype) -> None:
+        self.source = layer_record
+        self.num_rows = num_rows
+        self.dtype = dtype
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def rows(self, name: str) -> torch.Tensor:
+        """The recorded rows as stored (the record's own memory, in the record's dtype: read them, never write)."""
+        return self.source[name][: self.num_rows]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.cache:
+            dtype = lse_dtype(self.dtype) if name == "lse" else self.dtype
+            # .to() returns the record's own rows when the dtype already matches: read them, never write them.
+            self.cache[name] = self.rows(name).to(dtype)
+        return self.cache[name]
+
+
+class LiveLayer(NamedTuple):
+    """What the live forward keeps of one layer for the walk: the R live rows' forward values, and the keys and
+    values of all n + R rows (the prompt's rebuilt from the record)."""
+
+    h: torch.Tensor  # (R, d) the layer's input
+    q: torch.Tensor  # (R, H, Dh) RoPE'd
+    k: torch.Tensor  # (n + R, Hkv, Dh) RoPE'd
+    v: torch.Tensor  # (n + R, Hkv, Dh)
+    attn: torch.Tensor  # (R, H * Dh) attention output over all n + R keys
+    lse: torch.Tensor  # (R, H) its log-sum-exp (fp32; fp64 for fp64)
+    h_mid: torch.Tensor  # (R, d) after the attention's residual add
+    gate_up: torch.Tensor  # (R, 2 * intermediate) with the LoRA delta
+
+
+def prompt_kv(
+    model: Llama, adapter: LoraAdapter, layer: int, rec: PromptRecord, rot: Rotation
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt rows' keys (RoPE'd) and values, (n, Hkv, Dh) each, as the forward computed them: recorded base
+    outputs plus the live LoRA delta on the recorded layer input. Fresh tensors."""
+    c = model.config
+    with torch.no_grad():
+        xa = adapter.down(layer, "qkv", rms_norm(rec["h"], model.layers[layer].input_norm, c.rms_norm_eps))
+        kv = rec.rows("qkv")[:, c.q_size :]
+        kv = kv.to(rec.dtype, copy=True) if xa is None else adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
+        k, v = kv.split([c.kv_size, c.kv_size], dim=-1)
+        return apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), rot), v.view(-1, c.num_kv_heads, c.head_dim)
+
+
+@torch.no_grad()
+def layer_backward(
+    model: Llama,
+    adapter: LoraAdapter,
+    layer: int,
+    rec: PromptRecord,
+    live: LiveLayer,
+    rot: Rotation,
+    dh_out: torch.Tensor,
+) -> torch.Tensor | None:
+    """Backward of layer ``layer`` over rows 0..n+R-1; accumulates the adapter's gradients.
+
+    rot: the rotation of positions 0..n+R-1. dh_out: the gradient of the layer's output rows, (n + R, d), or (R, d)
+    at the top layer, where only the live rows' outputs feed the loss (the prompt rows matter there through their
+    keys and values only). Returns the gradient of the layer's input rows (n + R, d), None for layer 0 (its input
+    is the frozen embedding).
+    """
+    c, mod = model.config, model.layers[layer]
+    n, num_live = rec.num_rows, live.h.shape[0]
+    heads, head_dim = c.num_heads, c.head_dim
+    top = n > 0 and dh_out.shape[0] == num_live  # the prompt rows' outputs carry no gradient
+    h_in = _stack(rec.rows("h"), live.h)
+    x1, xn1, rstd1 = _rms_norm(h_in, mod.input_norm, c.rms_norm_eps)
+    xa_qkv = adapter.down(layer, "qkv", x1)
+
+    # The o-projection and the MLP, over the rows whose outputs carry gradient (the live rows only at the top).
+    attn = live.attn if top else _stack(rec.rows("attn"), live.attn)
+    xa_o = adapter.down(layer, "o", attn)
+    if top:
+        h_mid = live.h_mid
+    else:
+        h_mid = _after_live_rows(n, live.h_mid)  # the prompt rows' o, then h_in + o in place
+        _rebuild(adapter, layer, "o", rec.rows("o"), xa_o, h_mid[:n])
+        h_mid[:n] += h_in[:n]
+    prompt_gate_up = None if top else rec
+    dh_mid = _mlp_backward(model, adapter, layer, h_mid, prompt_gate_up, live.gate_up, dh_out).add_(dh_out)
+    d_attn = dh_mid @ mod.o_weight
+    if xa_o is not None:
+        adapter.backward(layer, "o", attn, xa_o, dh_mid, d_attn)
+
+    # Attention: the flash backward from the forward's output and lse.
+    d_qkv = h_in.new_empty(n + num_live, c.q_size + 2 * c.kv_size)  # dL/d(q, k, v before RoPE), filled by parts
+    dq_pre, dk_pre, dv_pre = (t.view(-1, t.shape[-1] // head_dim, head_dim) for t in d_qkv.split(
+        [c.q_size, c.kv_size, c.kv_size], -1))  # fmt: skip
+    # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies to make.
+    d_out = _heads_first(d_attn.view(-1, heads, head_dim))
+    scale = head_dim**-0.5
+    if top:  # queries: the live rows; keys: the prompt's (all visible) and the live rows' own (causal)
+        q, out = _heads_first(live.q), _heads_first(live.attn.view(num_live, heads, head_dim))
+        lse = live.lse.t().unsqueeze(0)
+        dq_p, dk_p, dv_p = _flash_backward(
+            d_out, q, _heads_first(live.k[:n]), _heads_first(live.v[:n]), out, lse, 0.0, False, scale=scale
+        )
+        dq_l, dk_l, dv_l = _flash_backward(
+            d_out, q, _heads_first(live.k[n:]), _heads_first(live.v[n:]), out, lse, 0.0, True, scale=scale
+        )
+        dq_pre[:n].zero_()
+        dq_pre[n:].copy_(_rope_backward(_rows_first(dq_p.add_(dq_l)), _rows(rot, n, None)))
+        dk, dv = torch.cat([dk_p, dk_l], dim=2), torch.cat([dv_p, dv_l], dim=2)
+    else:  # one causal attention over all n + R rows
+        q_rows = rec.rows("qkv")[:, : c.q_size]
+        q_prompt = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(
+            layer, "qkv", q_rows, xa_qkv[:n], ("q_proj",))  # fmt: skip
+        q = _stack(apply_rotary(q_prompt.view(n, heads, head_dim), _rows(rot, 0, n)), live.q)
+        lse = _stack(rec.rows("lse"), live.lse).t().unsqueeze(0)  # (1, H, n + R)
+        dq, dk, dv = _flash_backward(
+            d_out,
+            _heads_first(q),
+            _heads_first(live.k),
+            _heads_first(live.v),
+            _heads_first(attn.view(-1, heads, head_dim)),
+            lse,
+            0.0,
+            True,
+            scale=scale,
+        )
+        dq_pre.copy_(_rope_backward(_rows_first(dq), rot))
+    dk_pre.copy_(_rope_backward(_rows_first(dk), rot))
+    dv_pre.copy_(_rows_first(dv))
+
+    if layer == 0:  # the embedding is frozen: only the adapter's gradients are wanted
+        if xa_qkv is not None:
+            adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, None)
+        return None
+    d_x1 = d_qkv @ mod.qkv_weight
+    if xa_qkv is not None:
+        adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, d_x1)
+    dh_in = _rms_norm_backward(d_x1, xn1, rstd1, mod.input_norm)
+    (dh_in[n:] if top else dh_in).add_(dh_mid)
+    return dh_in
+
+
+def _mlp_backward(
+    model: Llama,
+    adapter: LoraAdapter,
+    layer: int,
+    h_mid: torch.Tensor,
+    rec: PromptRecord | None,
+    live_gate_up: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor:
+    """dL/dh_mid through the MLP branch (norm, gate/up, SiLU·mul, down) of ``h_out = h_mid + mlp(h_mid)``, given
+    grad = dL/dh_out; the residual's share is the caller's. The rows: the prompt's (their gate/up rebuilt from
+    ``rec``) then the live rows, or the live rows only (``rec`` None)."""
+    mod = model.layers[layer]
+    x2, xn2, rstd2 = _rms_norm(h_mid, mod.post_norm, model.config.rms_norm_eps)
+    xa_gu = adapter.down(layer, "gate_up", x2)
+    gate_up = live_gate_up
+    if rec is not None:
+        gate_up = _after_live_rows(rec.num_rows, live_gate_up)
+        _rebuild(adapter, layer, "gate_up", rec.rows("gate_up"), xa_gu, gate_up[: rec.num_rows])
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    act = silu * up  # the down projection's input
+    xa_down = adapter.down(layer, "down", act)
+
+    d_act = grad @ mod.down_weight
+    if xa_down is not None:
+        adapter.backward(layer, "down", act, xa_down, grad, d_act)
+    d_gate_up = torch.empty_like(gate_up)
+    d_gate, d_up = d_gate_up.chunk(2, dim=-1)
+    torch.mul(d_act, silu, out=d_up)
+    torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+    d_x2 = d_gate_up @ mod.gate_up_weight
+    if xa_gu is not None:
+        adapter.backward(layer, "gate_up", x2, xa_gu, d_gate_up, d_x2)
+    return _rms_norm_backward(d_x2, xn2, rstd2, mod.post_norm)
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm(h)`` computed as the model does, plus what its backward reads: the normalized rows and 1/rms,
+    in (at least) fp32."""
+    hf = h.to(torch.promote_types(h.dtype, torch.float32))
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    xn = hf * rstd
+    return weight * xn.to(h.dtype), xn, rstd
+
+
+def _rms_norm_backward(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dL/dh of ``weight * h / rms(h)``: rstd * (g - xn * mean(g * xn)) with g = grad * weight."""
+    g = (grad * weight).to(xn.dtype)
+    return (rstd * (g - xn * (g * xn).mean(-1, keepdim=True))).to(grad.dtype)
+
+
+def _rope_backward(grad: torch.Tensor, rot: Rotation) -> torch.Tensor:
+    """RoPE is a rotation per pair of dimensions: its backward rotates by the opposite angle."""
+    return apply_rotary(grad, Rotation(rot.cos, -rot.sin))
+
+
+def _stack(prompt: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[prompt rows ; live rows] in the live rows' dtype (the record's rows cast as they are copied)."""
+    out = _after_live_rows(prompt.shape[0], live)
+    out[: prompt.shape[0]] = prompt
+    return out
+
+
+def _after_live_rows(n: int, live: torch.Tensor) -> torch.Tensor:
+    """A tensor of n + R rows whose last R are ``live``; the first n are the caller's to fill."""
+    out = live.new_empty(n + live.shape[0], *live.shape[1:])
+    out[n:] = live
+    return out
+
+
+def _rebuild(
+    adapter: LoraAdapter, layer: int, name: str, base: torch.Tensor, xa: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """Writes the prompt rows' output of projection ``name`` into ``out``: the recorded base output ``base`` plus
+    the LoRA delta of the rows' down-projection (``xa``, all rows: the first n are the prompt's)."""
+    if xa is None:
+        out.copy_(base)
+    else:
+        adapter.add_up(layer, name, base, xa[: len(base)], out=out)
+
+
+def _rows(rot: Rotation, start: int, stop: int | None) -> Rotation:
+    return Rotation(rot.cos[start:stop], rot.sin[start:stop])
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)  # (n, heads, Dh) -> (1, heads, n, Dh)
+
+
+def _rows_first(t: torch.Tensor) -> torch.Tensor:
+    return t[0].transpose(0, 1)  # (1, heads, n, Dh) -> (n, heads, Dh)
