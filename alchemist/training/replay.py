@@ -83,10 +83,10 @@ def replay_backward_slices(
     walk_layers: RecordLayers | None = None,
     targets: Targets | None = None,
 ) -> Generator[None, None, float]:
-    """``replay_backward`` in slices: yields after the live forward, after the loss's backward and after each layer of
-    the walk (the points where serving may preempt training); returns the loss. ``walk_layers`` (default
-    ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the loss is the KL to them
-    (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
+    """``replay_backward`` in slices: yields after each layer of the live forward, after the loss and its backward,
+    and after each layer of the walk (the points where serving may preempt training); returns the loss.
+    ``walk_layers`` (default ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the
+    loss is the KL to them (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
     n = len(prompt_ids) - 1  # prompt rows replayed; row P-1 runs live
     if not n:  # a one-token prompt: the live rows are the whole sequence, no record is read
@@ -95,7 +95,7 @@ def replay_backward_slices(
     rot = model.rope(torch.arange(n + len(live_ids), device=prompt_ids.device), model.dtype)
 
     # 1. The live forward, keeping each layer's values for the walk.
-    lives, h = live_forward(model, adapter, record_layers, live_ids, n, rot)
+    lives, h = yield from live_forward(model, adapter, record_layers, live_ids, n, rot)
     h_top = h.requires_grad_()
     loss = response_loss(model, h_top, response_ids, targets)
     yield
@@ -114,7 +114,7 @@ def replay_backward_slices(
     return loss.item()
 
 
-@torch.no_grad()
+@torch.no_grad()  # (on a generator: grad mode is off only while its body runs, not while it is paused)
 def live_forward(
     model: Llama,
     adapter: LoraAdapter,
@@ -122,9 +122,9 @@ def live_forward(
     live_ids: torch.Tensor,
     n: int,
     rot: Rotation,
-) -> tuple[list[LiveLayer], torch.Tensor]:
-    """The live rows (positions n .. n+R-1) through every layer, attending to the prompt's n recorded rows;
-    returns each layer's ``LiveLayer`` and the final hidden states (R, d)."""
+) -> Generator[None, None, tuple[list[LiveLayer], torch.Tensor]]:
+    """The live rows (positions n .. n+R-1) through every layer, attending to the prompt's n recorded rows, in
+    slices of one layer; returns each layer's ``LiveLayer`` and the final hidden states (R, d)."""
     c = model.config
     rot_prompt, rot_live = (Rotation(rot.cos[s], rot.sin[s]) for s in (slice(0, n), slice(n, None)))
     lives: list[LiveLayer] = []
@@ -141,6 +141,8 @@ def live_forward(
         gate, up = gate_up.chunk(2, dim=-1)
         lives.append(LiveLayer(h, q, k, v, out.flatten(-2), lse, h_mid, gate_up))
         h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
+        if layer < c.num_layers - 1:
+            yield
     return lives, h
 
 

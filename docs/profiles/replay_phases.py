@@ -19,13 +19,16 @@ from alchemist.model.loader import build_model, hf_dir_for
 
 torch.set_num_threads(1)
 P, R = int(sys.argv[1]), int(sys.argv[2])
-steps = make_steps(build_model(hf_dir_for(None), torch.float32), P, R, torch.float32)
+model = build_model(hf_dir_for(None), torch.float32)
+steps = make_steps(model, P, R, torch.float32)
 phases: dict[str, list[float]] = {"live_forward": [], "loss_backward": [], "walk": []}
 
 
 def timed_run_to_end(slices):
-    """replay.run_to_end, timing the slices: live forward, loss backward, then the walk's layers."""
-    names, spent, t = ["live_forward", "loss_backward"], {"walk": 0.0}, time.process_time()
+    """replay.run_to_end, timing the slices: the live forward's layers (the last with the loss), the loss's
+    backward, then the walk's layers."""
+    names = ["live_forward"] * model.config.num_layers + ["loss_backward"]
+    spent, t = {"walk": 0.0}, time.process_time()
     while True:
         try:
             next(slices)
