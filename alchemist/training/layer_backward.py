@@ -140,13 +140,14 @@ def layer_backward(
             d_out, q, _heads_first(live.k[n:]), _heads_first(live.v[n:]), out, lse, 0.0, True, scale=scale
         )
         dq_pre[:n].zero_()
-        dq_pre[n:].copy_(_rope_backward(_rows_first(dq_p.add_(dq_l)), _rows(rot, n, None)))
+        _rotate(_rows_first(dq_p.add_(dq_l)), _rows(rot, n, None), dq_pre[n:], inverse=True)
         dk, dv = torch.cat([dk_p, dk_l], dim=2), torch.cat([dv_p, dv_l], dim=2)
     else:  # one causal attention over all n + R rows
         q_rows = rec.rows("qkv")[:, : c.q_size]
         q_prompt = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(
             layer, "qkv", q_rows, xa_qkv[:n], ("q_proj",))  # fmt: skip
-        q = _stack(apply_rotary(q_prompt.view(n, heads, head_dim), _rows(rot, 0, n)), live.q)
+        q = _after_live_rows(n, live.q)
+        _rotate(q_prompt.view(n, heads, head_dim), _rows(rot, 0, n), q[:n])
         lse = _stack(rec.rows("lse"), live.lse).t().unsqueeze(0)  # (1, H, n + R)
         dq, dk, dv = _flash_backward(
             d_out,
@@ -159,8 +160,8 @@ def layer_backward(
             True,
             scale=scale,
         )
-        dq_pre.copy_(_rope_backward(_rows_first(dq), rot))
-    dk_pre.copy_(_rope_backward(_rows_first(dk), rot))
+        _rotate(_rows_first(dq), rot, dq_pre, inverse=True)
+    _rotate(_rows_first(dk), rot, dk_pre, inverse=True)
     dv_pre.copy_(_rows_first(dv))
 
     if layer == 0:  # the embedding is frozen: only the adapter's gradients are wanted
@@ -222,14 +223,26 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
 
 
 def _rms_norm_backward(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dL/dh of ``weight * h / rms(h)``: rstd * (g - xn * mean(g * xn)) with g = grad * weight."""
+    """dL/dh of ``weight * h / rms(h)``: rstd * (g - xn * mean(g * xn)) with g = grad * weight (in place on g:
+    half the passes over memory of the textbook expression)."""
     g = (grad * weight).to(xn.dtype)
-    return (rstd * (g - xn * (g * xn).mean(-1, keepdim=True))).to(grad.dtype)
+    mean = torch.linalg.vecdot(g, xn).unsqueeze(-1).div_(xn.shape[-1])
+    return g.addcmul_(xn, mean, value=-1).mul_(rstd).to(grad.dtype)
 
 
-def _rope_backward(grad: torch.Tensor, rot: Rotation) -> torch.Tensor:
-    """RoPE is a rotation per pair of dimensions: its backward rotates by the opposite angle."""
-    return apply_rotary(grad, Rotation(rot.cos, -rot.sin))
+def _rotate(x: torch.Tensor, rot: Rotation, out: torch.Tensor, inverse: bool = False) -> None:
+    """``apply_rotary(x, rot)`` written into ``out`` (bitwise the same: each product rounded, then summed), or with
+    ``inverse`` the rotation by the opposite angle: RoPE's backward. x, out (T, heads, Dh)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, rot.cos, out=out1)
+    torch.mul(x2, rot.cos, out=out2)
+    if inverse:  # (x1 cos + x2 sin, x2 cos - x1 sin)
+        out1.add_(x2 * rot.sin)
+        out2.sub_(x1 * rot.sin)
+    else:  # (x1 cos - x2 sin, x2 cos + x1 sin)
+        out1.sub_(x2 * rot.sin)
+        out2.add_(x1 * rot.sin)
 
 
 def _stack(prompt: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
