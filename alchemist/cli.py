@@ -299,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from alchemist.engine.host_memory import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # this process owns the allocator: reuse freed buffers (engine/host_memory.py)
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
