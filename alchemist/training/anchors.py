@@ -25,38 +25,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from alchemist.model.attention import AttentionMetadata
 from alchemist.model.llama import Llama
-from alchemist.model.seam import COMPUTE
 from alchemist.training.losses import Targets, log_probs
-from alchemist.training.replay import run_to_end
+from alchemist.training.recompute import response_hidden
 
 
+@torch.no_grad()
 def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int) -> Targets:
     """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2."""
-    return run_to_end(reference_targets_slices(model, prompt_ids, response_ids, top_k))
-
-
-@torch.no_grad()  # (on a generator: only while its body runs)
-def reference_targets_slices(
-    model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int
-) -> Generator[None, None, Targets]:
-    """``reference_targets`` in slices of one layer of the forward (the online trainer runs it between serving
-    steps): the model's own forward (``Llama.forward``), layer by layer."""
-    ids = torch.tensor([*prompt_ids, *response_ids[:-1]], device=model.device)
-    meta = AttentionMetadata.single(len(ids))
-    rot = model.rope(torch.arange(len(ids), device=ids.device), model.dtype, meta.max_position)
-    h = F.embedding(ids, model.embed)
-    for layer in range(model.config.num_layers):
-        h = model.layer_forward(layer, h, rot, meta, COMPUTE, None)
-        yield
-    logprobs = log_probs(model.logits(h[len(prompt_ids) - 1 :]))
+    prompt, response = (torch.tensor(ids, device=model.device) for ids in (prompt_ids, response_ids))
+    logprobs = log_probs(model.logits(response_hidden(model, None, prompt, response)))
     top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
     return Targets(top.indices, top.values)
 

@@ -39,7 +39,7 @@ from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
-from alchemist.training.anchors import AnchorPool, reference_targets_slices
+from alchemist.training.anchors import AnchorPool, reference_targets
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -250,7 +250,7 @@ class OnlineTrainer:
 
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
-        each with the base model's top-k distribution there (computed once per anchor, a slice per layer)."""
+        each with the base model's top-k distribution there (computed once per anchor, one slice each)."""
         if not self.config.anchor_weight:
             return []
         samples = []
@@ -258,9 +258,7 @@ class OnlineTrainer:
         for anchor in self.anchors.recent(c.anchor_samples):
             response = anchor.response_ids[: c.anchor_max_tokens]
             if anchor.targets is None:
-                anchor.targets = yield from reference_targets_slices(
-                    self.engine.model, anchor.prompt_ids, response, c.anchor_top_k
-                )
+                anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, response, c.anchor_top_k)
                 yield
             samples.append(Sample(anchor.prompt_ids, response, anchor.response_id, anchor.targets))
         return samples

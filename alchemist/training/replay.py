@@ -83,8 +83,8 @@ def replay_backward_slices(
     walk_layers: RecordLayers | None = None,
     targets: Targets | None = None,
 ) -> Generator[None, None, float]:
-    """``replay_backward`` in slices: yields after each layer of the live forward, after the loss, after its
-    backward, and after each layer of the walk (the points where serving may preempt training); returns the loss.
+    """``replay_backward`` in slices: yields after each layer of the live forward, after the loss and its backward,
+    and after each layer of the walk (the points where serving may preempt training); returns the loss.
     ``walk_layers`` (default ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the
     loss is the KL to them (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
@@ -141,7 +141,8 @@ def live_forward(
         gate, up = gate_up.chunk(2, dim=-1)
         lives.append(LiveLayer(h, q, k, v, out.flatten(-2), lse, h_mid, gate_up))
         h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
-        yield
+        if layer < c.num_layers - 1:
+            yield
     return lives, h
 
 

@@ -25,9 +25,9 @@ phases: dict[str, list[float]] = {"live_forward": [], "loss_backward": [], "walk
 
 
 def timed_run_to_end(slices):
-    """replay.run_to_end, timing the slices: the live forward's layers and the loss, the loss's backward, then
-    the walk's layers."""
-    names = ["live_forward"] * (model.config.num_layers + 1) + ["loss_backward"]
+    """replay.run_to_end, timing the slices: the live forward's layers (the last with the loss), the loss's
+    backward, then the walk's layers."""
+    names = ["live_forward"] * model.config.num_layers + ["loss_backward"]
     spent, t = {"walk": 0.0}, time.process_time()
     while True:
         try:
