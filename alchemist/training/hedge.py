@@ -32,7 +32,7 @@ class CostModel:
     """Running estimates (exponential moving averages) of the speeds a plan is made from."""
 
     read_bytes_per_s: dict[str, float] = field(default_factory=dict)  # tier -> read bandwidth
-    walk_s_per_row: float | None = None  # one layer of the walk, per prompt row
+    walk_s_per_row: float | None = None  # one layer of the walk, per row it differentiates (prompt and live)
     recompute_s_per_row: float | None = None  # one layer's outputs recomputed from its input, per prompt row
 
     def observe_read(self, tier: str, num_bytes: int, seconds: float) -> None:
@@ -71,10 +71,20 @@ class Plan:
         return sum(self.recompute)
 
 
-def plan(num_layers: int, rows: int, tier: str, layer_bytes: int, input_bytes: int, costs: CostModel) -> Plan:
-    """The per-layer choice for one record in ``tier``: ``layer_bytes`` is what the walk reads of a reloaded
-    layer, ``input_bytes`` of a recomputed one (its input rows)."""
-    walk = rows * costs.walk_s_per_row if costs.walk_s_per_row is not None else 0.0
+def plan(
+    num_layers: int,
+    rows: int,
+    tier: str,
+    layer_bytes: int,
+    input_bytes: int,
+    costs: CostModel,
+    walk_rows: int | None = None,
+) -> Plan:
+    """The per-layer choice for one record in ``tier`` of ``rows`` prompt rows: ``layer_bytes`` is what the walk
+    reads of a reloaded layer, ``input_bytes`` of a recomputed one (its input rows). ``walk_rows``: the rows the
+    walk differentiates per layer (the prompt rows and the live rows; default ``rows``)."""
+    walk_rows = rows if walk_rows is None else walk_rows
+    walk = walk_rows * costs.walk_s_per_row if costs.walk_s_per_row is not None else 0.0
     reload_s, input_s = costs.read_s(tier, layer_bytes), costs.read_s(tier, input_bytes)
     recompute_s = costs.recompute_s(rows)
     recompute = [False] * num_layers

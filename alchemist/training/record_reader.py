@@ -25,7 +25,8 @@ FORWARD_NAMES = ("h", "qkv")  # what phase 1 reads: the prompt's keys and values
 
 
 class RecordReader:
-    """The layers of one pinned record for one replay of its first ``num_rows`` rows; close it when done."""
+    """The layers of one pinned record for one replay of its first ``num_rows`` rows, with ``num_live`` live rows
+    (the walk differentiates both); close it when done."""
 
     def __init__(
         self,
@@ -37,8 +38,10 @@ class RecordReader:
         costs: CostModel,
         stats,  # counts layers_reloaded, layers_recomputed, record_bytes_read (the trainer's stats)
         depth: int,
+        num_live: int = 0,
     ) -> None:
         self.store, self.record_id = store, record.record_id
+        self.walk_rows = num_rows + num_live
         self.model, self.adapter = model, adapter
         self.num_rows, self.costs, self.stats = num_rows, costs, stats
         self.tier = store.tier_of(record.record_id) or "device"
@@ -47,7 +50,7 @@ class RecordReader:
         layer_bytes = num_rows * sum(row_bytes[name] for name in WALK_NAMES)
         input_bytes = num_rows * row_bytes["h"]
         num_layers = model.config.num_layers
-        self.plan: Plan = plan(num_layers, num_rows, self.tier, layer_bytes, input_bytes, costs)
+        self.plan: Plan = plan(num_layers, num_rows, self.tier, layer_bytes, input_bytes, costs, self.walk_rows)
         self._rot = model.rope(torch.arange(num_rows, device=model.device), model.dtype)
         depth = depth if num_rows else 0  # a one-token prompt replays no prompt row: nothing to read
         self._forward = LayerWindow(self._read_forward, range(num_layers), depth)
@@ -63,7 +66,7 @@ class RecordReader:
         """For the walk (layers from the top, each once): the layer's outputs, reloaded or recomputed."""
         now = time.perf_counter()
         if self._walk_start is not None:  # the walk just finished the layer above
-            self.costs.observe_walk(self.num_rows, now - self._walk_start - self._paused)
+            self.costs.observe_walk(self.walk_rows, now - self._walk_start - self._paused)
         values = self._window.take(layer)
         if self.plan.recompute[layer]:
             start = time.perf_counter()

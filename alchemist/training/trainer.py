@@ -143,7 +143,7 @@ class Trainer:
         if record is not None:
             reader = RecordReader(
                 self.store, record, self.model, self.adapter, len(prompt) - 1, self.costs, self.stats,
-                self.config.prefetch_depth,
+                self.config.prefetch_depth, num_live=len(response),
             )  # fmt: skip
             # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
             kept = None

@@ -82,6 +82,11 @@ def test_plan_reloads_from_memory_and_hedges_a_slow_tier():
     reload_all = 6 * 0.25 + 0.1  # the reader's total, then the last layer's walk
     recompute_all = 0.025 + 6 * (0.1 + 0.1)  # the first input read, then per layer: recompute, walk
     assert hedged.predicted_s < min(reload_all, recompute_all) - 0.2
+    # The walk also differentiates the live rows: 100 more rows double each layer's walk, so waiting for the
+    # disk costs less by comparison, and fewer layers are recomputed.
+    with_live = plan(6, rows, "disk", layer_bytes, input_bytes, costs, walk_rows=2 * rows)
+    assert with_live.num_recomputed < hedged.num_recomputed
+    assert with_live.predicted_s > hedged.predicted_s
 
 
 def test_cost_model_running_estimates():
