@@ -83,8 +83,9 @@ def replay_backward_slices(
     walk_layers: RecordLayers | None = None,
     targets: Targets | None = None,
 ) -> Generator[None, None, float]:
-    """``replay_backward`` in slices: yields after each layer of the live forward, after the loss and its backward,
-    and after each layer of the walk (the points where serving may preempt training); returns the loss.
+    """``replay_backward`` in slices: yields after each layer of the live forward (the last one with the loss),
+    after the loss's backward and after each layer of the walk (the points where serving may preempt training);
+    returns the loss.
     ``walk_layers`` (default ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the
     loss is the KL to them (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
     walk_layers = walk_layers or record_layers
