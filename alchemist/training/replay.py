@@ -155,9 +155,7 @@ def no_rows(model: Llama) -> RecordLayers:
     return lambda layer: empty
 
 
-def _live_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _live_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The live rows' attention (R, H, Dh) and its lse (R, H), q (R, H, Dh), k and v (n + R, Hkv, Dh).
 
     Split over two key sets and merged by log-sum-exp: the prompt's n keys (all visible: no mask) and the live
