@@ -39,6 +39,10 @@ class Rotation(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def rows(self, start: int, stop: int | None = None) -> Rotation:
+        """The rotation of rows start..stop-1."""
+        return Rotation(self.cos[start:stop], self.sin[start:stop])
+
 
 def apply_rotary(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
     """x (T, heads, Dh). Half-split layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
@@ -48,6 +52,22 @@ def apply_rotary(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
     """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * rot.cos - x2 * rot.sin, x2 * rot.cos + x1 * rot.sin), dim=-1)
+
+
+def rotate_into(x: torch.Tensor, rot: Rotation, out: torch.Tensor, inverse: bool = False) -> None:
+    """``apply_rotary(x, rot)`` written into ``out`` (bitwise the same: each product rounded, then summed; no
+    temporary of the whole result), or with ``inverse`` the rotation by the opposite angle, which is RoPE's
+    backward. x, out (T, heads, Dh)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, rot.cos, out=out1)
+    torch.mul(x2, rot.cos, out=out2)
+    if inverse:  # (x1 cos + x2 sin, x2 cos - x1 sin)
+        out1.add_(x2 * rot.sin)
+        out2.sub_(x1 * rot.sin)
+    else:  # (x1 cos - x2 sin, x2 cos + x1 sin)
+        out1.sub_(x2 * rot.sin)
+        out2.add_(x1 * rot.sin)
 
 
 class RotaryEmbedding(nn.Module):

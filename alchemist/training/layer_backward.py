@@ -26,33 +26,23 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from alchemist.model.attention import lse_dtype
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
-from alchemist.model.rope import Rotation, apply_rotary
-
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from alchemist.model.rope import Rotation, apply_rotary, rotate_into
+from alchemist.training.live_attention import flash_backward, heads_first, live_attention_backward, rows_first
 
 
 class PromptRecord:
-    """One layer's record, its first ``num_rows`` rows, each tensor cast to the compute dtype on first use."""
+    """One layer's record, its first ``num_rows`` rows, and the compute dtype they are cast to where used."""
 
     def __init__(self, layer_record: dict[str, torch.Tensor], num_rows: int, dtype: torch.dtype) -> None:
         self.source = layer_record
         self.num_rows = num_rows
         self.dtype = dtype
-        self.cache: dict[str, torch.Tensor] = {}
 
     def rows(self, name: str) -> torch.Tensor:
         """The recorded rows as stored (the record's own memory, in the record's dtype: read them, never write)."""
         return self.source[name][: self.num_rows]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.cache:
-            dtype = lse_dtype(self.dtype) if name == "lse" else self.dtype
-            # .to() returns the record's own rows when the dtype already matches: read them, never write them.
-            self.cache[name] = self.rows(name).to(dtype)
-        return self.cache[name]
 
 
 class LiveLayer(NamedTuple):
@@ -76,7 +66,8 @@ def prompt_kv(
     outputs plus the live LoRA delta on the recorded layer input. Fresh tensors."""
     c = model.config
     with torch.no_grad():
-        xa = adapter.down(layer, "qkv", rms_norm(rec["h"], model.layers[layer].input_norm, c.rms_norm_eps))
+        h = rec.rows("h").to(rec.dtype)
+        xa = adapter.down(layer, "qkv", rms_norm(h, model.layers[layer].input_norm, c.rms_norm_eps))
         kv = rec.rows("qkv")[:, c.q_size :]
         kv = kv.to(rec.dtype, copy=True) if xa is None else adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
         k, v = kv.split([c.kv_size, c.kv_size], dim=-1)
@@ -127,42 +118,28 @@ def layer_backward(
     d_qkv = h_in.new_empty(n + num_live, c.q_size + 2 * c.kv_size)  # dL/d(q, k, v before RoPE), filled by parts
     dq_pre, dk_pre, dv_pre = (t.view(-1, t.shape[-1] // head_dim, head_dim) for t in d_qkv.split(
         [c.q_size, c.kv_size, c.kv_size], -1))  # fmt: skip
-    # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies to make.
-    d_out = _heads_first(d_attn.view(-1, heads, head_dim))
-    scale = head_dim**-0.5
-    if top:  # queries: the live rows; keys: the prompt's (all visible) and the live rows' own (causal)
-        q, out = _heads_first(live.q), _heads_first(live.attn.view(num_live, heads, head_dim))
-        lse = live.lse.t().unsqueeze(0)
-        dq_p, dk_p, dv_p = _flash_backward(
-            d_out, q, _heads_first(live.k[:n]), _heads_first(live.v[:n]), out, lse, 0.0, False, scale=scale
-        )
-        dq_l, dk_l, dv_l = _flash_backward(
-            d_out, q, _heads_first(live.k[n:]), _heads_first(live.v[n:]), out, lse, 0.0, True, scale=scale
+    d_out = d_attn.view(-1, heads, head_dim)
+    if top:  # queries: the live rows only (``live_attention``'s backward)
+        dq, dk, dv = live_attention_backward(
+            d_out, live.q, live.k, live.v, live.attn.view(num_live, heads, head_dim), live.lse, n
         )
         dq_pre[:n].zero_()
-        _rotate(_rows_first(dq_p.add_(dq_l)), _rows(rot, n, None), dq_pre[n:], inverse=True)
-        dk, dv = torch.cat([dk_p, dk_l], dim=2), torch.cat([dv_p, dv_l], dim=2)
+        rotate_into(dq, rot.rows(n), dq_pre[n:], inverse=True)
     else:  # one causal attention over all n + R rows
         q_rows = rec.rows("qkv")[:, : c.q_size]
         q_prompt = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(
             layer, "qkv", q_rows, xa_qkv[:n], ("q_proj",))  # fmt: skip
         q = _after_live_rows(n, live.q)
-        _rotate(q_prompt.view(n, heads, head_dim), _rows(rot, 0, n), q[:n])
+        rotate_into(q_prompt.view(n, heads, head_dim), rot.rows(0, n), q[:n])
         lse = _stack(rec.rows("lse"), live.lse).t().unsqueeze(0)  # (1, H, n + R)
-        dq, dk, dv = _flash_backward(
-            d_out,
-            _heads_first(q),
-            _heads_first(live.k),
-            _heads_first(live.v),
-            _heads_first(attn.view(-1, heads, head_dim)),
-            lse,
-            0.0,
-            True,
-            scale=scale,
-        )
-        _rotate(_rows_first(dq), rot, dq_pre, inverse=True)
-    _rotate(_rows_first(dk), rot, dk_pre, inverse=True)
-    dv_pre.copy_(_rows_first(dv))
+        # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies.
+        dq, dk, dv = (rows_first(t) for t in flash_backward(
+            heads_first(d_out), heads_first(q), heads_first(live.k), heads_first(live.v),
+            heads_first(attn.view(-1, heads, head_dim)), lse, 0.0, True, scale=head_dim**-0.5,
+        ))  # fmt: skip
+        rotate_into(dq, rot, dq_pre, inverse=True)
+    rotate_into(dk, rot, dk_pre, inverse=True)
+    dv_pre.copy_(dv)
 
     if layer == 0:  # the embedding is frozen: only the adapter's gradients are wanted
         if xa_qkv is not None:
@@ -230,21 +207,6 @@ def _rms_norm_backward(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor,
     return g.addcmul_(xn, mean, value=-1).mul_(rstd).to(grad.dtype)
 
 
-def _rotate(x: torch.Tensor, rot: Rotation, out: torch.Tensor, inverse: bool = False) -> None:
-    """``apply_rotary(x, rot)`` written into ``out`` (bitwise the same: each product rounded, then summed), or with
-    ``inverse`` the rotation by the opposite angle: RoPE's backward. x, out (T, heads, Dh)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, rot.cos, out=out1)
-    torch.mul(x2, rot.cos, out=out2)
-    if inverse:  # (x1 cos + x2 sin, x2 cos - x1 sin)
-        out1.add_(x2 * rot.sin)
-        out2.sub_(x1 * rot.sin)
-    else:  # (x1 cos - x2 sin, x2 cos + x1 sin)
-        out1.sub_(x2 * rot.sin)
-        out2.add_(x1 * rot.sin)
-
-
 def _stack(prompt: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """[prompt rows ; live rows] in the live rows' dtype (the record's rows cast as they are copied)."""
     out = _after_live_rows(prompt.shape[0], live)
@@ -268,15 +230,3 @@ def _rebuild(
         out.copy_(base)
     else:
         adapter.add_up(layer, name, base, xa[: len(base)], out=out)
-
-
-def _rows(rot: Rotation, start: int, stop: int | None) -> Rotation:
-    return Rotation(rot.cos[start:stop], rot.sin[start:stop])
-
-
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1).unsqueeze(0)  # (n, heads, Dh) -> (1, heads, n, Dh)
-
-
-def _rows_first(t: torch.Tensor) -> torch.Tensor:
-    return t[0].transpose(0, 1)  # (1, heads, n, Dh) -> (n, heads, Dh)

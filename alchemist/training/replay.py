@@ -37,13 +37,11 @@ from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
 from alchemist.training.layer_backward import LiveLayer, PromptRecord, layer_backward, prompt_kv
+from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss
 
 T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
-
-
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def replay_backward(
@@ -127,7 +125,7 @@ def live_forward(
     """The live rows (positions n .. n+R-1) through every layer, attending to the prompt's n recorded rows, in
     slices of one layer; returns each layer's ``LiveLayer`` and the final hidden states (R, d)."""
     c = model.config
-    rot_prompt, rot_live = (Rotation(rot.cos[s], rot.sin[s]) for s in (slice(0, n), slice(n, None)))
+    rot_prompt, rot_live = rot.rows(0, n), rot.rows(n)
     lives: list[LiveLayer] = []
     h = F.embedding(live_ids, model.embed)
     for layer in range(c.num_layers):
@@ -135,8 +133,9 @@ def live_forward(
         k_prompt, v_prompt = prompt_kv(model, adapter, layer, rec, rot_prompt)
         q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
         k, v = torch.cat([k_prompt, k]), torch.cat([v_prompt, v])  # (n + R, Hkv, Dh)
-        out, lse = _live_attention(q, k, v, n)
+        out, lse = live_attention(q, k, v, n)
         h_mid = model.attention_output(layer, h, out, COMPUTE, adapter)
+        # model.mlp, spelled out to keep gate/up (with its delta) for the walk
         gate_up = model.project(layer, "gate_up", rms_norm(h_mid, model.layers[layer].post_norm, c.rms_norm_eps),
                                 COMPUTE, adapter)  # fmt: skip
         gate, up = gate_up.chunk(2, dim=-1)
@@ -153,21 +152,3 @@ def no_rows(model: Llama) -> RecordLayers:
     empty = {name: model.embed.new_empty(0, width, dtype=lse if name == "lse" else None)
              for name, width in record_widths(model.config).items()}  # fmt: skip
     return lambda layer: empty
-
-
-def _live_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The live rows' attention (R, H, Dh) and its lse (R, H), q (R, H, Dh), k and v (n + R, Hkv, Dh).
-
-    Split over two key sets and merged by log-sum-exp: the prompt's n keys (all visible: no mask) and the live
-    rows' own keys (square and causal, so the kernel skips the blocks above the diagonal). One masked call over
-    all keys would compute every block.
-    """
-    to4d = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  (rows, heads, Dh) -> (1, heads, rows, Dh)
-    scale = q.shape[-1] ** -0.5
-    out, lse = _flash(to4d(q), to4d(k[n:]), to4d(v[n:]), 0.0, True, scale=scale)
-    if n:
-        out_p, lse_p = _flash(to4d(q), to4d(k[:n]), to4d(v[:n]), 0.0, False, scale=scale)
-        merged = torch.logaddexp(lse_p, lse)
-        weight = lambda part_lse: (part_lse - merged).exp().unsqueeze(-1).to(q.dtype)  # noqa: E731
-        out, lse = weight(lse_p) * out_p + weight(lse) * out, merged
-    return out[0].transpose(0, 1), lse[0].t()
