@@ -4,9 +4,10 @@ glibc serves a large allocation (above a threshold that adapts up to 32 MiB) wit
 freed memory at the top of its heap back to the OS. Every new buffer of that size then costs a page fault and the
 kernel's zeroing of each page on its first write. Recording hits this hardest: a record is hundreds of MiB of new
 buffers per long prompt (`activations/record.py`), written once in the prefill. Recording a 1,024-token prompt in
-bf16 added 25% to its prefill with glibc's defaults and 2.4% with the thresholds below (SmolLM2, fp32 model, 1 thread,
-medians of 7; docs/benchmarks.md). vLLM's and IPEX's CPU guides get the same effect from tcmalloc or jemalloc by
-LD_PRELOAD; here glibc's own ``mallopt`` does it, with nothing to install.
+bf16 added 27.6% to its prefill with glibc's defaults and 1.9% with the thresholds below (SmolLM2, fp32 model, 2
+threads: ``python docs/profiles/recording_overhead.py 1024 2``; docs/benchmarks.md). vLLM's and IPEX's CPU guides
+get the same effect from tcmalloc or jemalloc by LD_PRELOAD; here glibc's own ``mallopt`` does it, with nothing to
+install.
 
 The process that owns the allocator decides: the CLI calls ``keep_freed_memory()`` once at start (the server, the
 benchmarks). Memory probes that measure peaks by RSS run in fresh processes with the opposite setting
@@ -22,7 +23,8 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD_BYTES = 1 << 30  # allocations below this come from the heap, whose freed memory is reused
-TRIM_THRESHOLD_BYTES = 4 << 30  # free memory at the heap's top kept up to this much before it goes back to the OS
+# Free memory at the heap's top kept up to this much before it goes back to the OS: mallopt takes a C int, so 2 GiB.
+TRIM_THRESHOLD_BYTES = 2**31 - 1
 
 
 def keep_freed_memory() -> bool:
@@ -35,6 +37,5 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # mallopt's value is an int: 4 GiB does not fit, so the trim threshold is capped at INT_MAX.
-    trim = min(TRIM_THRESHOLD_BYTES, 2**31 - 1)
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
+    mmap_set = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    return bool(mmap_set) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

@@ -1,0 +1,54 @@
+"""Profile (not a benchmark): what recording a prompt in bf16 adds to its prefill, with glibc's default memory
+thresholds and with the CLI's (``alchemist.engine.host_memory``), and the page faults each takes.
+
+    python docs/profiles/recording_overhead.py 1024 2      # prompt tokens, threads
+
+Each setting runs in a fresh process (the thresholds are process-wide): ``bench train``'s prefill step functions
+(SmolLM2, fp32 model, LoRA on), one warm-up each, then 7 interleaved timings; prints medians, the overhead, minor
+page faults per call, and the share of the recording prefill's CPU time spent in copies (torch.profiler, one call).
+"""
+
+import json
+import subprocess
+import sys
+
+CHILD = r"""
+import json, resource, statistics, sys, time
+import torch
+from torch.profiler import ProfilerActivity, profile
+from alchemist.bench.training import make_steps
+from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.model.loader import build_model, hf_dir_for
+
+setting, num_prompt, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if setting == "kept":
+    assert keep_freed_memory()
+torch.set_num_threads(threads)
+steps = make_steps(build_model(hf_dir_for(None), torch.float32), num_prompt, 8, torch.float32)
+names = ("prefill", "prefill_rec_bf16")
+times, faults = {n: [] for n in names}, {n: 0 for n in names}
+for n in names:
+    steps[n]()
+for _ in range(7):
+    for n in names:
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        steps[n]()
+        times[n].append(time.perf_counter() - t0)
+        faults[n] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+with profile(activities=[ProfilerActivity.CPU]) as p:
+    steps["prefill_rec_bf16"]()
+events = p.key_averages()
+copy_share = sum(e.self_cpu_time_total for e in events if e.key == "aten::copy_") / sum(
+    e.self_cpu_time_total for e in events)
+med = {n: statistics.median(v) for n, v in times.items()}
+print(json.dumps({"setting": setting, **{n + "_s": round(v, 4) for n, v in med.items()},
+                  "overhead_pct": round(100 * (med["prefill_rec_bf16"] / med["prefill"] - 1), 2),
+                  **{n + "_faults": faults[n] // 7 for n in names},
+                  "rec_copy_cpu_share_pct": round(100 * copy_share, 1)}))
+"""
+
+num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
+for setting in ("default", "kept"):
+    done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads)],
+                          capture_output=True, text=True, check=True)
+    print(json.loads(done.stdout.strip().splitlines()[-1]))
