@@ -192,6 +192,9 @@ def _register_bench_train(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", nargs="+", default=None, help="PxR pairs, e.g. 512x128 (default: 128..2048 x 32..512)")
     p.add_argument("--record-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--prefill-repeats", type=int, default=11, help="prefills with and without recording, timed in pairs"
+    )
     p.add_argument("--no-peft", action="store_true", help="skip the transformers + PEFT baseline")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_train)

@@ -6,9 +6,10 @@ head runs only on rows whose next token is wanted (the last token of each sequen
 tokens): on a 512-token prefill chunk that is one row of 49152 logits instead of 512.
 
 The runner owns the KV cache storage: ``max_num_seqs`` slots of ``max_model_len`` tokens, contiguous per slot.
-It also holds the LoRA adapter being served (a ``ServedAdapter``, or None for the base model): every forward,
-prefill and decode, adds its delta after the seam's base linear (``Llama.project``), so the packed bf16 linears
-and the records (base outputs) are unchanged by it.
+It also holds the LoRA adapter being served (a ``ServedAdapter``, or None for the base model). A forward that
+records adds its delta after the seam's base linear (``Llama.project``), so the records hold base outputs; every
+other forward (every decode) projects with the adapter merged into the weights (``MergedLinearOps``), once the
+merge, one layer per step after a swap, is complete.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 
 from alchemist.activations.recorder import Recorder
 from alchemist.config import EngineConfig
+from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
 from alchemist.engine.sequence import Sequence
+from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
 from alchemist.model.llama import Adapter, Llama, rms_norm
 from alchemist.model.seam import COMPUTE, Ops
@@ -30,7 +33,8 @@ class ModelRunner:
         assert config.max_model_len is not None, "pass a resolved EngineConfig"
         self.model = model
         self.recorder = recorder
-        self.adapter: Adapter | None = None  # served with every forward; None: the base model
+        self.adapter: ServedAdapter | None = None  # served with every forward; None: the base model
+        self.merged: MergedLinearOps | None = None  # the same adapter merged into the weights, layer by layer
         self.adapter_version = 0  # of the adapter serving now (0: none); records and outputs carry it
         c = model.config
         self.cache = KVCache(
@@ -45,14 +49,17 @@ class ModelRunner:
         # The base ops: oneDNN-packed bf16 linears where they apply (same outputs, faster), else plain compute.
         self.ops: Ops = COMPUTE
         self._packed_lm_head: torch.Tensor | None = None
-        if packed_linear_supported(model):
+        self._packed = packed_linear_supported(model)
+        if self._packed:
             self.ops = PackedLinearOps(model)
             self._packed_lm_head = pack(model.lm_head)
 
-    def set_adapter(self, adapter: Adapter | None, version: int) -> None:
-        """Serves ``adapter`` from the next forward on (the engine calls it between steps only)."""
+    def set_adapter(self, adapter: ServedAdapter | None, version: int) -> None:
+        """Serves ``adapter`` from the next forward on (the engine calls it between steps only); its merge into the
+        weights starts over."""
         self.adapter = adapter
         self.adapter_version = version
+        self.merged = None if adapter is None else MergedLinearOps(self.model, adapter, self.ops, self._packed)
 
     def ops_for(self, batch: ScheduledBatch, meta: AttentionMetadata) -> Ops:
         """The ops object for this batch's forward: recording ops when a prompt chunk of a recorded request is in
@@ -89,9 +96,14 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
-        hidden = self.model(input_ids, pos, meta, ops, self.adapter)  # (T, d)
+        adapter: Adapter | None = self.adapter
+        if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
+            ops, adapter = self.merged, None
+        hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
         if self.recorder is not None:
             self.recorder.after_forward(ops)
+        if self.merged is not None:
+            self.merged.merge_next()  # a layer per step after a swap, until complete
         if len(sample_rows) != len(ids):
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
         return self.logits(hidden), sampling

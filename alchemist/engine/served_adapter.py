@@ -10,7 +10,9 @@ a scaling and a concatenation: ``delta = (x @ (scaling * A^T)) @ B^T``, the sum 
 The delta is computed in fp32 (the adapter's master precision) even for a bf16 model, and cast to the model's
 dtype at the end: on this CPU a bf16 matmul of these small shapes costs about 30 us whatever its size (oneDNN's
 fixed cost), an fp32 one 2-7 us. Serving a bf16 copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step
-of SmolLM2 (1 thread, batch 1 and 8); this layout adds 8-17 ms (docs/architecture.md).
+of SmolLM2 (1 thread, batch 1 and 8); this layout adds 8-17 ms (docs/architecture.md). That is what a recording
+forward pays; every other forward serves the adapter merged into the weights (``merged_weight``,
+``alchemist.engine.merged_adapter``) and pays nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ class ServedAdapter:
             return None
         at, bt = weights
         return torch.mm(torch.mm(x.to(self.dtype), at), bt).to(x.dtype)  # (T, in) @ (in, parts*r) @ (parts*r, out)
+
+    def merged_weight(self, layer: int, name: str, base: torch.Tensor) -> torch.Tensor | None:
+        """The fused projection's weight with the delta folded in, ``base + (A^T B^T)^T`` (out, in), computed in
+        fp32 and rounded once to ``base``'s dtype; None if the adapter does not target the projection."""
+        weights = self._weights.get((layer, name))
+        if weights is None:
+            return None
+        at, bt = weights
+        return torch.addmm(base.to(self.dtype), bt.t(), at.t()).to(base.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor served (tests check they are the engine's own)."""

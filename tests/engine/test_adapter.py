@@ -85,6 +85,8 @@ def test_the_served_copy_is_frozen(make_engine, tiny_model):
     theirs = {p.untyped_storage().data_ptr() for p in adapter.parameters()}
     served = engine.runner.adapter.tensors()
     assert not any(t.requires_grad or t.untyped_storage().data_ptr() in theirs for t in served)
+    engine.generate(prompts, WITH_LOGPROBS)  # steps enough to merge every layer: outputs are those of the merge
+    assert engine.runner.merged.complete
     first = engine.generate(prompts, WITH_LOGPROBS)
     with torch.no_grad():  # what an optimizer step does to the trainer's own adapter
         for p in adapter.parameters():
