@@ -84,6 +84,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
     p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
     p.add_argument("--train-share", type=float, default=0.25, help="time share of training while serving is busy")
+    p.add_argument("--train-quantum-ms", type=float, default=100.0, help="longest training turn while serving (ms)")
     p.add_argument(
         "--train-anchor-weight", type=float, default=3.0, help="weight of the KL to the base model on served traffic"
     )
@@ -108,6 +109,7 @@ def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazil
         replay=not args.train_no_replay,
         prefetch_depth=args.train_prefetch_depth,
         train_share=args.train_share,
+        train_quantum_s=args.train_quantum_ms / 1000,
         anchor_weight=args.train_anchor_weight,
         anchor_samples=args.train_anchor_samples,
         anchor_top_k=args.train_anchor_top_k,
@@ -282,6 +284,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-epochs", type=int, default=1)
     p.add_argument("--train-max-wait-s", type=float, default=5.0)
     p.add_argument("--train-share", type=float, default=0.25)
+    p.add_argument("--train-quantum-ms", type=float, default=100.0)
     p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

@@ -172,6 +172,11 @@ class LLMEngine:
         with self._lock:
             return bool(self._seqs or self._pending.aborts or self._aborted)
 
+    def has_arrivals(self) -> bool:
+        """A request was added since the last step began (the next step schedules it)."""
+        with self._lock:
+            return bool(self._pending.adds)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),

@@ -190,6 +190,7 @@ def app_for_engine(
         own_step_thread=own_step_thread,
         background=trainer,
         background_share=online_config.train_share,
+        background_quantum_s=online_config.train_quantum_s,
     )
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)

@@ -14,8 +14,13 @@ loop calls them directly.
 Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine
 steps, in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this
 CPU; design note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns
-it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took. With none in
-flight it runs slice after slice, and the next request waits for one slice at most.
+it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took. The credit is
+spent in turns: once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted
+``quantum_s`` (plus the slice that crosses it), then serving steps until it is earned again. Each switch finds the
+other side's data out of the caches; a replay's slices are small (a layer), and under load one slice per engine
+step cost the replay trainer about a fifth of its speed (``bench online``, docs/benchmarks.md), which turns win
+back. A request that arrives ends a turn after the slice in progress: it waits for one slice at most, as it does
+when serving is idle and training runs slice after slice.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
@@ -98,10 +103,12 @@ class AsyncEngine:
         own_step_thread: bool = True,
         background: BackgroundWork | None = None,
         background_share: float = 0.25,
+        background_quantum_s: float = 0.0,
     ):
         self.engine = engine
         self.background = background
         self.background_share = background_share
+        self.background_quantum_s = background_quantum_s
         self._credit_s = 0.0
         self.on_outputs = on_outputs  # called in the stepping thread after each step (metrics)
         # False: the caller runs run_steps() in a thread of its choosing (the main thread; see the module note).
@@ -209,8 +216,20 @@ class AsyncEngine:
                 share = self.background_share
                 earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
                 self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
-                if self._credit_s > 0 and self._background_ready():
-                    self._credit_s -= self._run_background()
+                if self._credit_s >= max(self.background_quantum_s, 1e-9):
+                    self._run_turn()
+
+    def _run_turn(self) -> None:
+        """Training's turn while serving is busy: slices back to back until the credit is spent or the turn has
+        lasted ``quantum_s`` (credit saved up while training had no work is spent a turn at a time), training has
+        no work, or a request arrives (serving has priority: it ends the turn)."""
+        turn_s = 0.0
+        while self._credit_s > 0 and self._background_ready():
+            took_s = self._run_background()
+            self._credit_s -= took_s
+            turn_s += took_s
+            if turn_s >= self.background_quantum_s or self.engine.has_arrivals():
+                return
 
     def _background_ready(self) -> bool:
         return self.background is not None and self.background.has_work()

@@ -1,0 +1,108 @@
+"""Training beside serving takes its time in turns (``AsyncEngine``): while requests are in flight, training's
+credit is spent in runs of slices up to the quantum, not in a slice after every engine step; an arriving request
+ends a turn after the slice in progress. The engine is the real one over the tiny model; the background work is
+the test's own (slices of known length) behind the protocol the online trainer implements."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from alchemist.config import EngineConfig
+from alchemist.engine import LLMEngine, SamplingParams
+from alchemist.model.loader import build_model
+from alchemist.server.async_engine import AsyncEngine
+from tests.engine.helpers import char_tokenizer
+
+SLICE_S = 0.002
+
+
+class Slices:
+    """Background work with a slice of about ``SLICE_S`` to run from the first engine step until the request is
+    done (with serving idle, training runs slice after slice: not what is tested here). Logs slices and engine
+    steps in the order they happen (both in the stepping thread). ``add_at``: the slice that adds a request."""
+
+    def __init__(self, engine: LLMEngine, add_at: int | None = None) -> None:
+        self.engine, self.add_at = engine, add_at
+        self.events: list[tuple[str, float]] = []  # ("step", 0.0) | ("slice" or "slice+add", seconds)
+        self.active = self.done = False
+
+    def has_work(self) -> bool:
+        return self.active
+
+    def run_slice(self) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < SLICE_S:
+            pass
+        kind = "slice"
+        if self.add_at is not None and sum(e[0] != "step" for e in self.events) == self.add_at:
+            self.engine.add_request("arrival", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+            kind = "slice+add"
+        took = time.perf_counter() - t0
+        self.events.append((kind, took))
+        return took
+
+    def on_step(self, outputs) -> None:
+        self.events.append(("step", 0.0))
+        self.active = not self.done
+
+    def turns(self) -> list[list[tuple[str, float]]]:
+        """Runs of consecutive slices with an engine step after them."""
+        turns, current = [], []
+        for event in self.events:
+            if event[0] == "step":
+                if current:
+                    turns.append(current)
+                current = []
+            else:
+                current.append(event)
+        return turns
+
+
+def serve(tiny_dirs, quantum_s: float, add_at: int | None = None) -> Slices:
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = LLMEngine(model, char_tokenizer(), EngineConfig(max_num_seqs=4, max_model_len=512))
+    work = Slices(engine, add_at)
+
+    async def one_request() -> None:
+        async_engine = AsyncEngine(
+            engine, on_outputs=work.on_step, background=work, background_share=0.5, background_quantum_s=quantum_s
+        )
+        async_engine.start()
+        try:
+            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            async for _ in async_engine.generate("long", [1, 2, 3], params):
+                pass
+        finally:
+            work.done, work.active = True, False
+            async_engine.shutdown()
+
+    asyncio.run(one_request())
+    return work
+
+
+@pytest.mark.parametrize("quantum_s", [0.02, 0.01])
+def test_training_takes_turns_of_the_quantum(tiny_dirs, quantum_s):
+    turns = serve(tiny_dirs, quantum_s).turns()
+    assert len(turns) >= 3
+    for turn in turns:
+        spent = sum(took for _, took in turn)
+        # A turn starts with credit >= the quantum and ends once the credit is spent or the quantum used up:
+        # either way it lasts at least the quantum, and it stops at the slice that crosses it.
+        assert spent >= quantum_s
+        assert spent - turn[-1][1] < quantum_s
+        assert len(turn) >= 2
+
+
+def test_without_a_quantum_a_slice_follows_a_step(tiny_dirs):
+    turns = serve(tiny_dirs, 0.0).turns()
+    assert len(turns) >= 3 and all(len(turn) == 1 for turn in turns)
+
+
+def test_an_arriving_request_ends_the_turn(tiny_dirs):
+    turns = serve(tiny_dirs, 0.05, add_at=3).turns()  # a whole turn is >= 25 slices; the 4th adds a request
+    assert turns[0][-1][0] == "slice+add" and len(turns[0]) == 4  # the first turn, cut short after the arrival
+    assert all(sum(took for _, took in turn) >= 0.05 for turn in turns[1:])
