@@ -1,11 +1,12 @@
 """Profile (not a benchmark): what recording a prompt in bf16 adds to its prefill, with glibc's default memory
 thresholds and with the CLI's (``alchemist.engine.host_memory``), and the page faults each takes.
 
-    python docs/profiles/recording_overhead.py 1024 2      # prompt tokens, threads
+    python docs/profiles/recording_overhead.py 1024 2 [bfloat16]     # prompt tokens, threads, model dtype
 
 Each setting runs in a fresh process (the thresholds are process-wide): ``bench train``'s prefill step functions
-(SmolLM2, fp32 model, LoRA on), one warm-up each, then 7 interleaved timings; prints medians, the overhead, minor
-page faults per call, and the share of the recording prefill's CPU time spent in copies (torch.profiler, one call).
+(SmolLM2, fp32 model unless a dtype is given, LoRA on, records in bf16), one warm-up each, then 7 interleaved
+timings; prints medians, the overhead, minor page faults per call, and the share of the recording prefill's CPU
+time spent in copies (torch.profiler, one call).
 """
 
 import json
@@ -20,11 +21,11 @@ from alchemist.bench.training import make_steps
 from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.model.loader import build_model, hf_dir_for
 
-setting, num_prompt, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+setting, num_prompt, threads, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
 if setting == "kept":
     assert keep_freed_memory()
 torch.set_num_threads(threads)
-steps = make_steps(build_model(hf_dir_for(None), torch.float32), num_prompt, 8, torch.float32)
+steps = make_steps(build_model(hf_dir_for(None), dtype), num_prompt, 8, dtype)
 names = ("prefill", "prefill_rec_bf16")
 times, faults = {n: [] for n in names}, {n: 0 for n in names}
 for n in names:
@@ -48,7 +49,8 @@ print(json.dumps({"setting": setting, **{n + "_s": round(v, 4) for n, v in med.i
 """
 
 num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
+dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
 for setting in ("default", "kept"):
-    done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads)],
+    done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
                           capture_output=True, text=True, check=True)
     print(json.loads(done.stdout.strip().splitlines()[-1]))
