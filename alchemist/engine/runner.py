@@ -33,7 +33,7 @@ class ModelRunner:
         assert config.max_model_len is not None, "pass a resolved EngineConfig"
         self.model = model
         self.recorder = recorder
-        self.adapter: ServedAdapter | None = None  # served with every forward; None: the base model
+        self.adapter: ServedAdapter | None = None  # the adapter served (None: the base model), as a delta
         self.merged: MergedLinearOps | None = None  # the same adapter merged into the weights, layer by layer
         self.adapter_version = 0  # of the adapter serving now (0: none); records and outputs carry it
         c = model.config
