@@ -149,10 +149,11 @@ class OnlineConfig:
     # Share of the machine's time training may take while requests are being served (time-sliced, never
     # concurrent: design note, section 12). With no request in flight, training takes whatever is free.
     train_share: float = 0.25
-    # While serving is busy, training's credit is spent in turns of up to this long (slices back to back) instead
-    # of a slice after every engine step: fewer switches, each of which finds the other side's data out of the
-    # caches (alchemist.server.async_engine). A request that arrives ends a turn. 0: a slice per step.
-    train_quantum_s: float = 0.1
+    # While serving is busy, training's credit may be spent in turns of up to this long (slices back to back)
+    # instead of a slice after every engine step (0, the default): a replay trains faster under load in turns, but
+    # serving's TPOT measured worse with them (alchemist.server.async_engine, docs/benchmarks.md). A request that
+    # arrives ends a turn.
+    train_quantum_s: float = 0.0
     seed: int = 0  # the adapter's initialisation
     # Each step also minimises anchor_weight x KL(base || adapted) on the responses of the anchor_samples most
     # recent served completions (top-k of the base distribution; alchemist.training.anchors). 0 disables.

@@ -14,13 +14,14 @@ loop calls them directly.
 Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine
 steps, in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this
 CPU; design note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns
-it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took. The credit is
-spent in turns: once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted
-``quantum_s`` (plus the slice that crosses it), then serving steps until it is earned again. Each switch finds the
-other side's data out of the caches; a replay's slices are small (a layer), and under load one slice per engine
-step cost the replay trainer about a fifth of its speed (``bench online``, docs/benchmarks.md), which turns win
-back. A request that arrives ends a turn after the slice in progress: it waits for one slice at most, as it does
-when serving is idle and training runs slice after slice.
+it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by default one slice
+after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in turns instead:
+once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus
+the slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after
+the slice in progress. Each switch finds the other side's data out of the caches, and a replay's slices are small
+(a layer): in ``bench online`` turns of 100 ms let the replay trainer train 23-35% faster under load, but
+serving's TPOT measured worse with them in every pair of runs (docs/benchmarks.md), so they are off by default.
+With no request in flight training runs slice after slice, and a new request waits for one slice at most.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
