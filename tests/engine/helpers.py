@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerFast
 
+from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, RequestOutput
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
 from alchemist.model.llama import Adapter, Llama
@@ -41,6 +42,12 @@ def run_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
+
+
+def recording_engine(model: Llama, max_num_batched_tokens: int) -> LLMEngine:
+    """An engine over ``model`` (4 slots of 128 tokens) that records every prompt, in fp32."""
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, max_model_len=128)
+    return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
 
 
 def random_adapter(model: Llama, seed: int, std: float = 0.05) -> LoraAdapter:

@@ -9,13 +9,20 @@ import threading
 import pytest
 import torch
 
-from alchemist.config import EngineConfig, RecordConfig
+from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
 from alchemist.engine.packed_ops import PackedLinearOps, packed_linear_supported
 from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.model.loader import build_model
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig, part_shapes
-from tests.engine.helpers import char_tokenizer, greedy_reference, random_adapter, random_prompts, run_to_end
+from tests.engine.helpers import (
+    char_tokenizer,
+    greedy_reference,
+    random_adapter,
+    random_prompts,
+    recording_engine,
+    run_to_end,
+)
 from tests.training.recording import record_alone
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -98,12 +105,7 @@ def test_the_served_copy_is_frozen(make_engine, tiny_model):
 
 
 def test_records_and_outputs_carry_the_version_of_their_prefill(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        char_tokenizer(),
-        EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
-        RecordConfig(policy="all", dtype="float32"),
-    )
+    engine = recording_engine(tiny_model, max_num_batched_tokens=16)
     a, b = random_adapter(tiny_model, 5), random_adapter(tiny_model, 6)
     prompts = dict(zip(("base", "a", "a-chunked", "b"), random_prompts([9, 12, 40, 14], seed=10), strict=True))
     engine.add_request("base", prompts["base"], GREEDY)

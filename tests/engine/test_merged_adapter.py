@@ -10,14 +10,19 @@ import copy
 import pytest
 import torch
 
-from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig
 from alchemist.model.seam import COMPUTE
-from tests.engine.helpers import char_tokenizer, greedy_reference, random_adapter, random_prompts, run_to_end
+from tests.engine.helpers import (
+    greedy_reference,
+    random_adapter,
+    random_prompts,
+    recording_engine,
+    run_to_end,
+)
 from tests.training.recording import record_alone
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -103,12 +108,7 @@ def test_the_engine_merges_a_layer_per_step_then_serves_the_merge(make_engine, t
 
 
 def test_records_stay_base_outputs_after_the_merge(tiny_model):
-    engine = LLMEngine(
-        tiny_model,
-        char_tokenizer(),
-        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
-        RecordConfig(policy="all", dtype="float32"),
-    )
+    engine = recording_engine(tiny_model, max_num_batched_tokens=64)
     adapter = random_adapter(tiny_model, 12)
     engine.set_adapter(adapter, 1)
     first, second = random_prompts([10, 30], seed=3)
