@@ -47,6 +47,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (prefill chunk size)")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests beyond this get a 429")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
+    p.add_argument(
+        "--no-merge-adapter", action="store_true", help="serve the adapter as a separate delta (saves a weight copy)"
+    )
 
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily)
@@ -54,7 +57,10 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazil
 
     fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, compile=args.compile, **sizes)
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, compile=args.compile,
+        merge_adapter=not args.no_merge_adapter, **sizes,
+    )  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:

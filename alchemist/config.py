@@ -42,6 +42,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: every slot can hold max_model_len; smaller forces preemption
     max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
     max_waiting: int = 256  # requests queued beyond this are refused (the server answers 429)
+    # Forwards that record nothing serve the adapter merged into the weights (alchemist.engine.merged_adapter):
+    # no per-token cost, one more copy of the targeted weights in memory. False: the separate delta everywhere.
+    merge_adapter: bool = True
     compile: bool = False  # torch.compile the forward: not supported yet (raises), see __post_init__
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ class ModelRunner:
     def __init__(self, model: Llama, config: EngineConfig, recorder: Recorder | None = None) -> None:
         assert config.max_model_len is not None, "pass a resolved EngineConfig"
         self.model = model
+        self.config = config
         self.recorder = recorder
         self.adapter: ServedAdapter | None = None  # the adapter served (None: the base model), as a delta
         self.merged: MergedLinearOps | None = None  # the same adapter merged into the weights, layer by layer
@@ -59,7 +60,8 @@ class ModelRunner:
         weights starts over."""
         self.adapter = adapter
         self.adapter_version = version
-        self.merged = None if adapter is None else MergedLinearOps(self.model, adapter, self.ops, self._packed)
+        merge = adapter is not None and self.config.merge_adapter
+        self.merged = MergedLinearOps(self.model, adapter, self.ops, self._packed) if merge else None
 
     def ops_for(self, batch: ScheduledBatch, meta: AttentionMetadata) -> Ops:
         """The ops object for this batch's forward: recording ops when a prompt chunk of a recorded request is in

@@ -139,3 +139,15 @@ def test_a_swap_starts_the_merge_over_and_the_base_model_needs_none(make_engine,
     engine.set_adapter(None, 0)
     engine.step()
     assert engine.runner.merged is None and engine.runner.adapter is None
+
+
+def test_without_merging_the_delta_serves_every_forward(make_engine, tiny_model):
+    adapter = random_adapter(tiny_model, 15)
+    merged, separate = make_engine(), make_engine(merge_adapter=False)
+    prompt = random_prompts([9], seed=5)[0]
+    for engine in (merged, separate):
+        engine.set_adapter(adapter, 1)
+        engine.generate([prompt], GREEDY)
+    assert merged.runner.merged.complete and separate.runner.merged is None
+    reference = greedy_reference(tiny_model, prompt, GREEDY.max_tokens, [adapter])
+    assert [o.output_token_ids for o in separate.generate([prompt], GREEDY)] == [reference]
