@@ -11,10 +11,10 @@ A recording forward keeps the base weights and the separate delta, because a rec
 adds the delta of the adapter it trains, ``alchemist.training.replay``). The two forms agree to the rounding of
 ``W'`` to the model's dtype (bitwise in neither fp32 nor bf16; tests/engine/test_merged_adapter.py bounds it).
 
-Merging is spread over engine steps, one layer per step (``merge_next``; a bf16 SmolLM2 layer takes about 8 ms,
-the whole model 0.24 s): until every layer is merged the engine serves the separate delta, so a swap never stalls
-serving. Memory: one merged copy of the targeted projections (for SmolLM2 in bf16, 212 MB), freed with the
-adapter it was made from.
+Merging is spread over engine steps, one layer per step (``merge_next``; a bf16 SmolLM2 layer took 6.7 ms, the
+whole model 0.2 s: ``python docs/profiles/adapter_decode.py``): until every layer is merged the engine serves the
+separate delta, so a swap never stalls serving. Memory: one merged copy of the targeted projections (for SmolLM2
+in bf16, 212 MB), freed with the adapter it was made from; ``EngineConfig.merge_adapter`` turns merging off.
 """
 
 from __future__ import annotations
@@ -35,23 +35,23 @@ class MergedLinearOps(ComputeOps):
     def __init__(self, model: Llama, adapter: ServedAdapter, base: Ops, packed: bool) -> None:
         self.model, self.adapter, self.base, self.packed = model, adapter, base, packed
         self._weights: dict[tuple[int, str], torch.Tensor] = {}
-        self._next_layer = 0
+        self.num_merged = 0  # layers merged so far (layers 0 .. num_merged - 1)
 
     @property
     def complete(self) -> bool:
-        return self._next_layer == self.model.config.num_layers
+        return self.num_merged == self.model.config.num_layers
 
     @torch.no_grad()
     def merge_next(self) -> None:
         """Merges the next layer's targeted projections (a no-op once complete)."""
         if self.complete:
             return
-        layer = self._next_layer
+        layer = self.num_merged
         for name in LINEAR_NAMES:
             merged = self.adapter.merged_weight(layer, name, getattr(self.model.layers[layer], f"{name}_weight"))
             if merged is not None:
                 self._weights[layer, name] = pack(merged) if self.packed else merged
-        self._next_layer += 1
+        self.num_merged += 1
 
     def linear(
         self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

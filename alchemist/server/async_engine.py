@@ -19,8 +19,9 @@ after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the
 once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus
 the slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after
 the slice in progress. Each switch finds the other side's data out of the caches, and a replay's slices are small
-(a layer): in ``bench online`` turns of 100 ms let the replay trainer train 23-35% faster under load, but
-serving's TPOT measured worse with them in every pair of runs (docs/benchmarks.md), so they are off by default.
+(a layer): in ``bench online`` turns of 100 ms let the replay trainer train 23% and 30% faster under load (two
+pairs of runs), but serving's TPOT measured worse with them in every pair (docs/benchmarks.md), so they are off
+by default.
 With no request in flight training runs slice after slice, and a new request waits for one slice at most.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
@@ -217,7 +218,7 @@ class AsyncEngine:
                 share = self.background_share
                 earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
                 self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
-                if self._credit_s >= max(self.background_quantum_s, 1e-9):
+                if self._credit_s > 0 and self._credit_s >= self.background_quantum_s:
                     self._run_turn()
 
     def _run_turn(self) -> None:

@@ -95,7 +95,7 @@ def test_the_engine_merges_a_layer_per_step_then_serves_the_merge(make_engine, t
     progress = []
     while engine.has_unfinished():
         engine.step()
-        progress.append(engine.runner.merged._next_layer)
+        progress.append(engine.runner.merged.num_merged)
     num_layers = tiny_model.config.num_layers
     assert progress[: num_layers + 1] == [*range(1, num_layers + 1), num_layers]
     # Once merged, a request's tokens are the merged model's, and (the two agreeing to rounding) the adapter's.
