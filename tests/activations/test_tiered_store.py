@@ -369,20 +369,21 @@ def check_accounting(store: ActivationStore, directory: Path, settled: bool) -> 
 
 
 def corrupt_one(store: ActivationStore, key: int, size: int) -> str | None:
-    """Flips a byte in the data of a disk record's file; the record's id (None if no record is on disk)."""
+    """Flips a byte in the data of a disk record's file; the record's id (None if no record is on disk). Under the
+    store's lock: the training reader may drop a record (deleting its file) at any moment otherwise."""
     with store._lock:
         store._expire(store._clock())  # what is left is not dropped by the next lookup
         on_disk = [e for e in store._records.values() if e.tier == "disk"]
         if not on_disk:
             return None
         entry = on_disk[key % len(on_disk)]
-    record = entry.record
-    data_bytes = property_record("r", record.adapter_version, record.num_tokens, False, 0.0).nbytes
-    with open(entry.path, "r+b") as f:  # the tensors' bytes end the file
-        f.seek(-1 - (size * 7919) % data_bytes, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
+        record = entry.record
+        data_bytes = property_record("r", record.adapter_version, record.num_tokens, False, 0.0).nbytes
+        with open(entry.path, "r+b") as f:  # the tensors' bytes end the file
+            f.seek(-1 - (size * 7919) % data_bytes, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
     return record.record_id
 
 
