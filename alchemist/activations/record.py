@@ -4,9 +4,11 @@ Per layer and prompt token (shared/design/activation-reuse.md, sections 2 and 6)
 base projection outputs ``qkv`` (before RoPE), ``o``, ``gate_up``, ``down``, the attention output ``attn`` and
 its log-sum-exp ``lse`` (fp32, one per head). Everything else is cheap and recomputed by the replay.
 
-``RecordingOps`` computes through an inner ops object (plain, or the engine's packed linears) and copies the rows
-of the segments being recorded into each request's ``RecordBuilder``, sliced out of batched, chunked prefills by
-the attention metadata. Decode rows are never copied.
+``RecordingOps`` computes through an inner ops object (plain, or the engine's packed linears) and hands the rows
+of the segments being recorded to each request's ``RecordBuilder``, sliced out of batched, chunked prefills by the
+attention metadata. Decode rows are never recorded. A prompt prefilled whole in one forward that runs outside
+inference mode (the engine's recording forwards run under ``no_grad``) is recorded without a copy: its record keeps
+the forward's own output tensors, which nothing modifies in place. Otherwise rows are copied.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class Record:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+        """The memory its tensors hold: a tensor kept from the forward that computed it holds that output's whole
+        storage, including other requests' rows (``RecordBuilder`` keeps it only if they are under a quarter)."""
+        return sum(t.untyped_storage().nbytes() for layer in self.layers for t in layer.values())
 
     def covers(self, prompt_ids: list[int] | tuple[int, ...], num_rows: int) -> bool:
         """Whether the first ``num_rows`` rows were computed from the same tokens as ``prompt_ids``."""
@@ -71,7 +75,12 @@ class Record:
 
 
 class RecordBuilder:
-    """Preallocated per-layer buffers that prefill chunks write their rows into, in any number of steps."""
+    """Per-layer tensors that a prompt's prefill chunks fill, in any number of steps.
+
+    A prompt computed whole in one forward keeps that forward's own output tensors: no copy (``write`` adopts them
+    where it can). Otherwise (a chunk of a longer prompt, rows in another dtype, a tensor mostly made of other
+    requests' rows, an inference-mode forward) the rows are copied into buffers allocated at the first write.
+    """
 
     def __init__(
         self,
@@ -87,25 +96,48 @@ class RecordBuilder:
         self.requested = requested
         self.prompt_ids = tuple(prompt_ids)
         self.adapter_version = adapter_version
-        n = len(prompt_ids)
-        widths = record_widths(config)
-        # Normal tensors even when built inside the engine's inference mode: the trainer backpropagates
-        # through values read from them, which inference tensors forbid.
-        with torch.inference_mode(False):
-            self.layers = [
-                {
-                    name: torch.empty(n, width, dtype=lse_dtype(dtype) if name == "lse" else dtype, device=device)
-                    for name, width in widths.items()
-                }
-                for _ in range(config.num_layers)
-            ]
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._widths = record_widths(config)
+        self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_layers)]
         self.num_rows_written = 0  # rows 0..num_rows_written-1 are complete in every layer
+        self.num_adopted = 0  # tensors kept as the forward computed them (the rest were copied)
 
     def write(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:
         """Rows of positions start.. ; positions past the prompt (recomputed outputs after preemption) are dropped."""
-        end = min(start + rows.shape[0], len(self.prompt_ids))
-        if end > start:
-            self.layers[layer][name][start:end] = rows[: end - start].reshape(end - start, -1)
+        n = len(self.prompt_ids)
+        end = min(start + rows.shape[0], n)
+        if end <= start:
+            return
+        rows = rows[: end - start].reshape(end - start, -1)
+        if start == 0 and end == n and self._adoptable(name, rows):
+            self.layers[layer][name] = rows
+            self.num_adopted += 1
+            return
+        buffer = self.layers[layer].get(name)
+        if buffer is None:
+            # Normal tensors even when built inside the engine's inference mode: the trainer backpropagates
+            # through values read from them, which inference tensors forbid.
+            with torch.inference_mode(False):
+                buffer = torch.empty(n, self._widths[name], dtype=self._dtype(name), device=self.device)
+            self.layers[layer][name] = buffer
+        buffer[start:end] = rows
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return lse_dtype(self.dtype) if name == "lse" else self.dtype
+
+    def _adoptable(self, name: str, rows: torch.Tensor) -> bool:
+        """Whether the record can keep ``rows`` itself: the stored dtype and device, a normal tensor (the trainer
+        saves records for backward, which inference tensors forbid), dense, and at least 3/4 of the memory it
+        keeps alive (the rest is other requests' rows of the same forward, which the record's size counts)."""
+        return (
+            rows.dtype == self._dtype(name)
+            and rows.device == self.device
+            and not rows.is_inference()
+            and not rows.requires_grad
+            and rows.is_contiguous()
+            and 4 * rows.numel() * rows.element_size() >= 3 * rows.untyped_storage().nbytes()
+        )
 
     def finish_chunk(self, start: int, length: int) -> None:
         if start != self.num_rows_written:
@@ -119,7 +151,13 @@ class RecordBuilder:
     def build(self) -> Record:
         if not self.is_complete:
             raise RuntimeError(f"record {self.record_id} has {self.num_rows_written}/{len(self.prompt_ids)} rows")
-        return Record(self.record_id, self.prompt_ids, self.adapter_version, self.layers, requested=self.requested)
+        missing = [(i, name) for i, layer in enumerate(self.layers) for name in self._widths if name not in layer]
+        if missing:
+            raise RuntimeError(f"record {self.record_id}: nothing written for (layer, tensor) {missing[:3]}")
+        return Record(
+            self.record_id, self.prompt_ids, self.adapter_version, self.layers, requested=self.requested,
+            dtype=self.dtype,
+        )
 
 
 class RecordingOps:

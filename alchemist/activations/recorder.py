@@ -38,6 +38,7 @@ class Recorder:
         self._builders: dict[str, RecordBuilder] = {}
         self.num_recorded = 0  # records completed and handed to the store
         self.num_rejected = 0  # completed but refused by the store (no room)
+        self.num_adopted = 0  # recorded tensors that are the forward's own outputs (not copies), in completed records
 
     def wants(self, requested: bool) -> bool:
         """Whether to record a new request, by policy (decided once, when it arrives)."""
@@ -86,6 +87,7 @@ class Recorder:
         for request_id, builder in list(self._builders.items()):
             if builder.is_complete:
                 del self._builders[request_id]
+                self.num_adopted += builder.num_adopted
                 if self.store.put(builder.build()):
                     self.num_recorded += 1
                 else:

@@ -60,7 +60,7 @@ def _peft_model(hf_dir: Path, adapter: LoraAdapter):
     return peft.get_peft_model(base, lora)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # as the engine records: outside inference mode, so the record keeps the forward's outputs
 def record_prefill(model, adapter: LoraAdapter, prompt: torch.Tensor, dtype: torch.dtype, record_id: str = "bench"):
     """The Record of ``prompt`` made by a serving prefill (the model's recording seam), at adapter version 0."""
     num_prompt = len(prompt)
@@ -79,11 +79,11 @@ def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dt
     response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
     adapter = LoraAdapter(model.config, seed=0)
 
-    @torch.inference_mode()
     def prefill(record_as: torch.dtype | None = None):
         if record_as is not None:
             return record_prefill(model, adapter, prompt, record_as)
-        model(prompt, torch.arange(num_prompt), AttentionMetadata.single(num_prompt), COMPUTE, adapter)
+        with torch.inference_mode():
+            model(prompt, torch.arange(num_prompt), AttentionMetadata.single(num_prompt), COMPUTE, adapter)
 
     record = prefill(record_dtype)
     opt = torch.optim.AdamW(adapter.parameters(), lr=1e-5)

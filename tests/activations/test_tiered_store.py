@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alchemist.activations import disk
-from alchemist.activations.record import RecordBuilder
+from alchemist.activations.record import RecordBuilder, record_widths
 from alchemist.activations.store import TIERS, ActivationStore, RecordCorruptError, RecordUnavailable
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine
@@ -49,9 +49,10 @@ def make_record(
     """A record of every RECORDED tensor (lse in fp32), random bits from ``seed``; ``adapter_version`` = seed."""
     builder = RecordBuilder(record_id, list(range(num_tokens)), seed, config, dtype, requested=requested)
     g = torch.Generator().manual_seed(seed)
-    for layer in builder.layers:
-        for t in layer.values():
-            t.copy_(torch.randn(t.shape, generator=g))
+    widths = record_widths(config)
+    for layer in range(config.num_layers):
+        for name, width in widths.items():
+            builder.write(layer, name, 0, torch.randn(num_tokens, width, generator=g))
     builder.finish_chunk(0, num_tokens)
     record = builder.build()
     if created_s is not None:

@@ -8,8 +8,16 @@ from alchemist.activations.record import Record, RecordBuilder, RecordingOps
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
 
 
-@torch.inference_mode()
-def record_alone(model, adapter, prompt: torch.Tensor, dtype=torch.float32, record_id="r", version=0) -> Record:
+def record_alone(
+    model, adapter, prompt: torch.Tensor, dtype=torch.float32, record_id="r", version=0, inference_mode=False
+) -> Record:
+    """As the engine records a prompt prefilled alone (under ``no_grad``: the record keeps the forward's outputs
+    where their dtype is the record's), or under inference mode (every row copied)."""
+    with torch.inference_mode() if inference_mode else torch.no_grad():
+        return _record_alone(model, adapter, prompt, dtype, record_id, version)
+
+
+def _record_alone(model, adapter, prompt: torch.Tensor, dtype, record_id, version) -> Record:
     builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype)
     meta = AttentionMetadata.single(len(prompt), need_lse=True)
     ops = RecordingOps(meta, {0: builder})
@@ -18,7 +26,7 @@ def record_alone(model, adapter, prompt: torch.Tensor, dtype=torch.float32, reco
     return builder.build()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def record_batched_chunked(
     model, adapter, prompt: torch.Tensor, others: list[torch.Tensor], chunk: int, dtype=torch.float32
 ) -> Record:

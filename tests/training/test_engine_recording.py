@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from alchemist.activations.record import RECORDED
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine
 from alchemist.engine.sequence import SamplingParams
@@ -67,3 +68,54 @@ def test_preempted_request_is_recorded_whole(tiny_dirs):
         for layer, ref_layer in zip(record.layers, alone.layers, strict=True):
             for name, ref in ref_layer.items():
                 assert torch.allclose(layer[name], ref, atol=1e-5, rtol=1e-5), name
+
+
+def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
+    """A recorded prompt that makes up (at least 3/4 of) one forward keeps that forward's outputs as its record;
+    a small prompt beside it, and a prompt prefilled in chunks, are copied. Either way the record is the prompt's
+    rows: equal to a recording of the prompt alone that copied every row, and it replays to exact gradients."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = LLMEngine(
+        model,
+        char_tokenizer(5),
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+        RecordConfig(policy="all", dtype="float32"),
+    )
+    g = torch.Generator().manual_seed(2)
+    prompts = {rid: torch.randint(6, 256, (n,), generator=g).tolist() for rid, n in (("a", 40), ("b", 8))}
+    for rid, prompt in prompts.items():  # one forward: a's 40 rows and b's 8
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    per_record = len(RECORDED) * model.config.num_layers
+    assert engine.recorder.num_recorded == 2 and engine.recorder.num_adopted == per_record  # a's, not b's
+    prompts["c"] = torch.randint(6, 256, (100,), generator=g).tolist()  # two chunks: copied
+    engine.add_request("c", prompts["c"], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.recorder.num_recorded == 3 and engine.recorder.num_adopted == per_record
+
+    adapter = LoraAdapter(model.config, seed=0)
+    for rid, prompt in prompts.items():
+        record = engine.store.lookup(rid)
+        copied = record_alone(model, None, torch.tensor(prompt), inference_mode=True)
+        data_bytes = sum(t.numel() * t.element_size() for layer in record.layers for t in layer.values())
+        assert data_bytes == copied.nbytes <= record.nbytes <= data_bytes * 4 / 3  # a holds b's rows too
+        for layer, ref_layer in zip(record.layers, copied.layers, strict=True):
+            for name, ref in ref_layer.items():
+                assert torch.allclose(layer[name], ref, atol=1e-5, rtol=1e-5), (rid, name)
+    prompt, response = torch.tensor(prompts["a"]), torch.randint(6, 256, (9,), generator=g)
+    _, ref = recompute_grads(model, adapter, prompt, response)
+    _, got = replay_grads(model, adapter, engine.store.lookup("a"), prompt, response)
+    assert max_rel_l2(ref, got) <= 1e-5
+
+
+def test_kept_and_copied_records_are_bitwise_equal(tiny_dirs):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.bfloat16)
+    prompt = torch.randint(6, 256, (33,), generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.bfloat16, torch.float32):  # kept as computed (bf16), or cast while copied (fp32)
+        kept = record_alone(model, None, prompt, dtype=dtype)
+        copied = record_alone(model, None, prompt, dtype=dtype, inference_mode=True)
+        assert kept.dtype == copied.dtype == dtype and kept.nbytes == copied.nbytes
+        for a, b in zip(kept.layers, copied.layers, strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+            assert not any(t.is_inference() or t.requires_grad for t in a.values())
