@@ -155,7 +155,11 @@ class RecordBuilder:
         if missing:
             raise RuntimeError(f"record {self.record_id}: nothing written for (layer, tensor) {missing[:3]}")
         return Record(
-            self.record_id, self.prompt_ids, self.adapter_version, self.layers, requested=self.requested,
+            self.record_id,
+            self.prompt_ids,
+            self.adapter_version,
+            self.layers,
+            requested=self.requested,
             dtype=self.dtype,
         )
 
