@@ -6,9 +6,9 @@ its log-sum-exp ``lse`` (fp32, one per head). Everything else is cheap and recom
 
 ``RecordingOps`` computes through an inner ops object (plain, or the engine's packed linears) and hands the rows
 of the segments being recorded to each request's ``RecordBuilder``, sliced out of batched, chunked prefills by the
-attention metadata. Decode rows are never recorded. A prompt prefilled whole in one forward that runs outside
-inference mode (the engine's recording forwards run under ``no_grad``) is recorded without a copy: its record keeps
-the forward's own output tensors, which nothing modifies in place. Otherwise rows are copied.
+attention metadata. Decode rows are never recorded. A prompt prefilled whole in one forward, in the record's dtype,
+is recorded without copying the seam's outputs: its record keeps the tensors the forward computed (nothing modifies
+them in place; the trainer only reads them). Otherwise rows are copied into buffers allocated before the forward.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from alchemist.model.config import ModelConfig
 from alchemist.model.seam import COMPUTE, Ops
 
 RECORDED = ("h", "qkv", "attn", "lse", "o", "gate_up", "down")
+COPIED = ("h",)  # always copied: the layer input is the residual stream, which the forward goes on adding to
 
 
 def record_widths(config: ModelConfig) -> dict[str, int]:
@@ -77,9 +78,13 @@ class Record:
 class RecordBuilder:
     """Per-layer tensors that a prompt's prefill chunks fill, in any number of steps.
 
-    A prompt computed whole in one forward keeps that forward's own output tensors: no copy (``write`` adopts them
-    where it can). Otherwise (a chunk of a longer prompt, rows in another dtype, a tensor mostly made of other
-    requests' rows, an inference-mode forward) the rows are copied into buffers allocated at the first write.
+    By default every buffer is allocated here, before the forward, and rows are copied in. With ``keep_outputs``
+    (the caller expects the whole prompt in one forward, computed in the record's dtype) ``write`` keeps the
+    seam's output tensors instead: no copy; only the layer inputs ``h`` are copied. A write it cannot keep
+    (another dtype, a tensor mostly made of other requests' rows) is copied into a buffer allocated then.
+    Allocating up front when copies are expected matters: buffers allocated between the forward's temporaries
+    fragment the heap, and the temporaries then land in memory that is not in cache (+7 points on a 128-token
+    fp32 prefill).
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class RecordBuilder:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         requested: bool = False,
+        keep_outputs: bool = False,
     ) -> None:
         self.record_id = record_id
         self.requested = requested
@@ -98,8 +104,13 @@ class RecordBuilder:
         self.adapter_version = adapter_version
         self.dtype = dtype
         self.device = torch.device(device)
+        self.keep_outputs = keep_outputs
         self._widths = record_widths(config)
         self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_layers)]
+        for layer in range(config.num_layers):
+            for name in self._widths:
+                if not keep_outputs or name in COPIED:
+                    self._buffer(layer, name)
         self.num_rows_written = 0  # rows 0..num_rows_written-1 are complete in every layer
         self.num_adopted = 0  # tensors kept as the forward computed them (the rest were copied)
 
@@ -110,30 +121,30 @@ class RecordBuilder:
         if end <= start:
             return
         rows = rows[: end - start].reshape(end - start, -1)
-        if start == 0 and end == n and self._adoptable(name, rows):
+        if self.keep_outputs and name not in COPIED and start == 0 and end == n and self._adoptable(name, rows):
             self.layers[layer][name] = rows
             self.num_adopted += 1
             return
+        self._buffer(layer, name)[start:end] = rows
+
+    def _buffer(self, layer: int, name: str) -> torch.Tensor:
         buffer = self.layers[layer].get(name)
         if buffer is None:
-            # Normal tensors even when built inside the engine's inference mode: the trainer backpropagates
-            # through values read from them, which inference tensors forbid.
-            with torch.inference_mode(False):
-                buffer = torch.empty(n, self._widths[name], dtype=self._dtype(name), device=self.device)
+            buffer = torch.empty(len(self.prompt_ids), self._widths[name], dtype=self._dtype(name), device=self.device)
             self.layers[layer][name] = buffer
-        buffer[start:end] = rows
+        return buffer
 
     def _dtype(self, name: str) -> torch.dtype:
         return lse_dtype(self.dtype) if name == "lse" else self.dtype
 
     def _adoptable(self, name: str, rows: torch.Tensor) -> bool:
-        """Whether the record can keep ``rows`` itself: the stored dtype and device, a normal tensor (the trainer
-        saves records for backward, which inference tensors forbid), dense, and at least 3/4 of the memory it
-        keeps alive (the rest is other requests' rows of the same forward, which the record's size counts)."""
+        """Whether the record can keep ``rows`` itself: the stored dtype and device, no graph, dense, and at least
+        3/4 of the memory it keeps alive (the rest is other requests' rows of the same forward, which the record's
+        size counts). Inference tensors qualify: the trainer only reads records, without autograd (the walk of
+        ``alchemist.training.replay`` differentiates by hand)."""
         return (
             rows.dtype == self._dtype(name)
             and rows.device == self.device
-            and not rows.is_inference()
             and not rows.requires_grad
             and rows.is_contiguous()
             and 4 * rows.numel() * rows.element_size() >= 3 * rows.untyped_storage().nbytes()

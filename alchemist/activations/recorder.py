@@ -28,12 +28,14 @@ class Recorder:
         model_config: ModelConfig,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.model_config = model_config
         self.device = device
         self.dtype = getattr(torch, config.dtype)
+        self.compute_dtype = compute_dtype  # the model's: records in it can keep the forward's outputs
         self._rng = random.Random(seed)
         self._builders: dict[str, RecordBuilder] = {}
         self.num_recorded = 0  # records completed and handed to the store
@@ -62,14 +64,28 @@ class Recorder:
         request asked to be).
         """
         targets: dict[int, RecordBuilder] = {}
+        num_rows = sum(seg.length for seg in meta.segments)
         for i, (seg, (request_id, prompt_ids, recorded, requested)) in enumerate(
             zip(meta.segments, chunks, strict=True)
         ):
             if not recorded or seg.start >= len(prompt_ids):
                 continue  # decode rows, and recomputed outputs after a preemption, are never recorded
             if seg.start == 0:  # a (re)started prefill: a fresh record
+                # The whole prompt in this forward, as most of its rows, in the record's dtype: keep the outputs.
+                keep = (
+                    seg.length >= len(prompt_ids)
+                    and 4 * len(prompt_ids) >= 3 * num_rows
+                    and self.dtype == self.compute_dtype
+                )
                 self._builders[request_id] = RecordBuilder(
-                    request_id, prompt_ids, adapter_version, self.model_config, self.dtype, self.device, requested
+                    request_id,
+                    prompt_ids,
+                    adapter_version,
+                    self.model_config,
+                    self.dtype,
+                    self.device,
+                    requested,
+                    keep_outputs=keep,
                 )
             builder = self._builders.get(request_id)
             if builder is not None:

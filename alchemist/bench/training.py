@@ -60,12 +60,12 @@ def _peft_model(hf_dir: Path, adapter: LoraAdapter):
     return peft.get_peft_model(base, lora)
 
 
-@torch.no_grad()  # as the engine records: outside inference mode, so the record keeps the forward's outputs
+@torch.inference_mode()
 def record_prefill(model, adapter: LoraAdapter, prompt: torch.Tensor, dtype: torch.dtype, record_id: str = "bench"):
     """The Record of ``prompt`` made by a serving prefill (the model's recording seam), at adapter version 0."""
     num_prompt = len(prompt)
     meta = AttentionMetadata.single(num_prompt, need_lse=True)
-    builder = RecordBuilder(record_id, prompt.tolist(), 0, model.config, dtype=dtype)
+    builder = RecordBuilder(record_id, prompt.tolist(), 0, model.config, dtype=dtype, keep_outputs=dtype == model.dtype)
     ops = RecordingOps(meta, {0: builder})
     model(prompt, torch.arange(num_prompt), meta, ops, adapter)
     ops.finish()

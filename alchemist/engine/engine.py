@@ -83,7 +83,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
         self.store = ActivationStore.from_config(rc)
-        self.recorder = None if rc.policy == "none" else Recorder(rc, self.store, model.config, model.device)
+        self.recorder = None
+        if rc.policy != "none":
+            self.recorder = Recorder(rc, self.store, model.config, model.device, compute_dtype=model.dtype)
         self.runner = ModelRunner(model, c, self.recorder)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer.eos_token_ids, c.max_model_len)

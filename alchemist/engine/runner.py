@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from alchemist.activations.record import RecordingOps
 from alchemist.activations.recorder import Recorder
 from alchemist.config import EngineConfig
 from alchemist.engine.merged_adapter import MergedLinearOps
@@ -73,15 +72,12 @@ class ModelRunner:
         chunks = [(seq.request_id, seq.prompt_token_ids, seq.record, seq.params.record) for seq in batch.seqs]
         return self.recorder.ops_for(meta, chunks, self.adapter_version, self.ops)
 
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Computes the batch, writing its keys/values into the cache.
 
         Returns the logits ``(S, vocab)`` of the S sequences that sample this step, and those sequences in row
         order. A prefill chunk that does not finish its prompt samples nothing.
-
-        Forwards run in inference mode, except those that record: they run under ``no_grad``, so that a record
-        can keep the forward's own output tensors (no copy), which the trainer later saves for backward (inference
-        tensors cannot be).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -105,15 +101,14 @@ class ModelRunner:
         adapter: Adapter | None = self.adapter
         if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
             ops, adapter = self.merged, None
-        with torch.no_grad() if isinstance(ops, RecordingOps) else torch.inference_mode():
-            hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
-            if self.recorder is not None:
-                self.recorder.after_forward(ops)
-            if self.merged is not None:
-                self.merged.merge_next()  # a layer per step after a swap, until complete
-            if len(sample_rows) != len(ids):
-                hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
-            return self.logits(hidden), sampling
+        hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
+        if self.recorder is not None:
+            self.recorder.after_forward(ops)
+        if self.merged is not None:
+            self.merged.merge_next()  # a layer per step after a swap, until complete
+        if len(sample_rows) != len(ids):
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
+        return self.logits(hidden), sampling
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.logits`` (final norm, LM head), with the packed LM head where the fast path applies."""

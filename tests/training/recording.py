@@ -8,17 +8,14 @@ from alchemist.activations.record import Record, RecordBuilder, RecordingOps
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
 
 
+@torch.inference_mode()
 def record_alone(
-    model, adapter, prompt: torch.Tensor, dtype=torch.float32, record_id="r", version=0, inference_mode=False
+    model, adapter, prompt: torch.Tensor, dtype=torch.float32, record_id="r", version=0, keep_outputs=None
 ) -> Record:
-    """As the engine records a prompt prefilled alone (under ``no_grad``: the record keeps the forward's outputs
-    where their dtype is the record's), or under inference mode (every row copied)."""
-    with torch.inference_mode() if inference_mode else torch.no_grad():
-        return _record_alone(model, adapter, prompt, dtype, record_id, version)
-
-
-def _record_alone(model, adapter, prompt: torch.Tensor, dtype, record_id, version) -> Record:
-    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype)
+    """As the engine records a prompt prefilled alone: keeping the forward's outputs where their dtype is the
+    record's (unless ``keep_outputs`` says otherwise), else copying every row."""
+    keep = dtype == model.dtype if keep_outputs is None else keep_outputs
+    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype, keep_outputs=keep)
     meta = AttentionMetadata.single(len(prompt), need_lse=True)
     ops = RecordingOps(meta, {0: builder})
     model(prompt, torch.arange(len(prompt)), meta, ops=ops, adapter=adapter)
@@ -26,7 +23,7 @@ def _record_alone(model, adapter, prompt: torch.Tensor, dtype, record_id, versio
     return builder.build()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def record_batched_chunked(
     model, adapter, prompt: torch.Tensor, others: list[torch.Tensor], chunk: int, dtype=torch.float32
 ) -> Record:

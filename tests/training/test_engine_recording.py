@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from alchemist.activations.record import RECORDED
+from alchemist.activations.record import COPIED, RECORDED
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine
 from alchemist.engine.sequence import SamplingParams
@@ -86,18 +86,18 @@ def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
     for rid, prompt in prompts.items():  # one forward: a's 40 rows and b's 8
         engine.add_request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    per_record = len(RECORDED) * model.config.num_layers
-    assert engine.recorder.num_recorded == 2 and engine.recorder.num_adopted == per_record  # a's, not b's
+    kept_per_record = (len(RECORDED) - len(COPIED)) * model.config.num_layers
+    assert engine.recorder.num_recorded == 2 and engine.recorder.num_adopted == kept_per_record  # a's, not b's
     prompts["c"] = torch.randint(6, 256, (100,), generator=g).tolist()  # two chunks: copied
     engine.add_request("c", prompts["c"], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert engine.recorder.num_recorded == 3 and engine.recorder.num_adopted == per_record
+    assert engine.recorder.num_recorded == 3 and engine.recorder.num_adopted == kept_per_record
 
     adapter = LoraAdapter(model.config, seed=0)
     for rid, prompt in prompts.items():
         record = engine.store.lookup(rid)
-        copied = record_alone(model, None, torch.tensor(prompt), inference_mode=True)
+        copied = record_alone(model, None, torch.tensor(prompt), keep_outputs=False)
         data_bytes = sum(t.numel() * t.element_size() for layer in record.layers for t in layer.values())
         assert data_bytes == copied.nbytes <= record.nbytes <= data_bytes * 4 / 3  # a holds b's rows too
         for layer, ref_layer in zip(record.layers, copied.layers, strict=True):
@@ -112,10 +112,8 @@ def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
 def test_kept_and_copied_records_are_bitwise_equal(tiny_dirs):
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.bfloat16)
     prompt = torch.randint(6, 256, (33,), generator=torch.Generator().manual_seed(3))
-    for dtype in (torch.bfloat16, torch.float32):  # kept as computed (bf16), or cast while copied (fp32)
-        kept = record_alone(model, None, prompt, dtype=dtype)
-        copied = record_alone(model, None, prompt, dtype=dtype, inference_mode=True)
-        assert kept.dtype == copied.dtype == dtype and kept.nbytes == copied.nbytes
-        for a, b in zip(kept.layers, copied.layers, strict=True):
-            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
-            assert not any(t.is_inference() or t.requires_grad for t in a.values())
+    kept = record_alone(model, None, prompt, dtype=torch.bfloat16, keep_outputs=True)
+    copied = record_alone(model, None, prompt, dtype=torch.bfloat16, keep_outputs=False)
+    assert kept.dtype == copied.dtype == torch.bfloat16 and kept.nbytes == copied.nbytes
+    for a, b in zip(kept.layers, copied.layers, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
