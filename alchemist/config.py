@@ -151,7 +151,7 @@ class OnlineConfig:
     keep_versions: int = 8  # adapter versions kept on disk (rollback targets)
     # Share of the machine's time training may take while requests are being served (time-sliced, never
     # concurrent: design note, section 12). With no request in flight, training takes whatever is free.
-    train_share: float = 0.25
+    train_share: float = 0.2
     # While serving is busy, training's credit may be spent in turns of up to this long (slices back to back)
     # instead of a slice after every engine step (0, the default): a replay trains faster under load in turns, but
     # serving's TPOT measured worse with them (alchemist.server.async_engine, docs/benchmarks.md). A request that

@@ -2,7 +2,7 @@
 fast training goes when it replays prompts from serving's records vs when it recomputes them.
 
     alchemist bench online [--json] [--num-requests 48] [--request-rate 0.4] [--feedback-fraction 0.5]
-                           [--runs off replay recompute] [--train-share 0.25] [--drain-s 180]
+                           [--runs off replay recompute] [--train-share 0.2] [--drain-s 180]
 
 Three runs of `alchemist serve` (a fresh process and ``--data-dir`` each, ``--record-policy requested``), the same
 workload and seed each time:

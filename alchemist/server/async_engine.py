@@ -104,7 +104,7 @@ class AsyncEngine:
         on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
         own_step_thread: bool = True,
         background: BackgroundWork | None = None,
-        background_share: float = 0.25,
+        background_share: float = 0.2,
         background_quantum_s: float = 0.0,
     ):
         self.engine = engine
