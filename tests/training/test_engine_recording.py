@@ -16,13 +16,15 @@ from tests.training.recording import record_alone
 from tests.training.test_replay import max_rel_l2, recompute_grads, replay_grads
 
 
-def test_engine_records_requested_prompts_in_batched_chunked_prefill(tiny_dirs):
+def fp32_engine(tiny_dirs, config: EngineConfig, policy: str) -> tuple:
+    """A tiny fp32 model and an engine that records in fp32 by ``policy``."""
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    engine = LLMEngine(
-        model,
-        char_tokenizer(5),
-        EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=256),
-        RecordConfig(policy="requested", dtype="float32"),
+    return model, LLMEngine(model, char_tokenizer(5), config, RecordConfig(policy=policy, dtype="float32"))
+
+
+def test_engine_records_requested_prompts_in_batched_chunked_prefill(tiny_dirs):
+    model, engine = fp32_engine(
+        tiny_dirs, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=256), "requested"
     )
     g = torch.Generator().manual_seed(0)
     prompts = {f"req-{i}": torch.randint(6, 256, (n,), generator=g).tolist() for i, n in enumerate((70, 9, 33, 50))}
@@ -46,12 +48,10 @@ def test_engine_records_requested_prompts_in_batched_chunked_prefill(tiny_dirs):
 
 
 def test_preempted_request_is_recorded_whole(tiny_dirs):
-    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    engine = LLMEngine(
-        model,
-        char_tokenizer(5),
+    model, engine = fp32_engine(
+        tiny_dirs,
         EngineConfig(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128, block_size=4, num_kv_blocks=24),
-        RecordConfig(policy="all", dtype="float32"),
+        "all",
     )
     g = torch.Generator().manual_seed(1)
     prompts = {f"p{i}": torch.randint(6, 256, (30,), generator=g).tolist() for i in range(3)}
@@ -74,12 +74,8 @@ def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
     """A recorded prompt that makes up (at least 3/4 of) one forward keeps that forward's outputs as its record;
     a small prompt beside it, and a prompt prefilled in chunks, are copied. Either way the record is the prompt's
     rows: equal to a recording of the prompt alone that copied every row, and it replays to exact gradients."""
-    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    engine = LLMEngine(
-        model,
-        char_tokenizer(5),
-        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
-        RecordConfig(policy="all", dtype="float32"),
+    model, engine = fp32_engine(
+        tiny_dirs, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), "all"
     )
     g = torch.Generator().manual_seed(2)
     prompts = {rid: torch.randint(6, 256, (n,), generator=g).tolist() for rid, n in (("a", 40), ("b", 8))}
