@@ -26,6 +26,12 @@ RECORDED = ("h", "qkv", "attn", "lse", "o", "gate_up", "down")
 COPIED = ("h",)  # always copied: the layer input is the residual stream, which the forward goes on adding to
 
 
+def worth_keeping(part: int, whole: int) -> bool:
+    """Whether a record keeps a forward's output tensor of which its rows are ``part`` of ``whole`` (rows or
+    bytes) rather than copy them out: at least 3/4, so that other requests' rows it holds too stay under a quarter."""
+    return 4 * part >= 3 * whole
+
+
 def record_widths(config: ModelConfig) -> dict[str, int]:
     """Values per token of each recorded tensor, per layer."""
     d, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
@@ -82,9 +88,9 @@ class RecordBuilder:
     (the caller expects the whole prompt in one forward, computed in the record's dtype) ``write`` keeps the
     seam's output tensors instead: no copy; only the layer inputs ``h`` are copied. A write it cannot keep
     (another dtype, a tensor mostly made of other requests' rows) is copied into a buffer allocated then.
-    Allocating up front when copies are expected matters: buffers allocated between the forward's temporaries
-    fragment the heap, and the temporaries then land in memory that is not in cache (+7 points on a 128-token
-    fp32 prefill).
+    Buffers for expected copies are allocated up front, as before keeping existed: allocated between the
+    forward's temporaries they measured 0.5-4.5 points slower on a 128-token fp32 prefill
+    (``docs/profiles/recording_copies.py 128 31 float32``, ``record_lazy`` vs ``record``), at this machine's noise.
     """
 
     def __init__(
@@ -147,7 +153,7 @@ class RecordBuilder:
             and rows.device == self.device
             and not rows.requires_grad
             and rows.is_contiguous()
-            and 4 * rows.numel() * rows.element_size() >= 3 * rows.untyped_storage().nbytes()
+            and worth_keeping(rows.numel() * rows.element_size(), rows.untyped_storage().nbytes())
         )
 
     def finish_chunk(self, start: int, length: int) -> None:

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from alchemist.activations.record import RecordBuilder, RecordingOps
+from alchemist.activations.record import RecordBuilder, RecordingOps, worth_keeping
 from alchemist.activations.store import ActivationStore
 from alchemist.config import RecordConfig
 from alchemist.model.attention import AttentionMetadata
@@ -74,7 +74,7 @@ class Recorder:
                 # The whole prompt in this forward, as most of its rows, in the record's dtype: keep the outputs.
                 keep = (
                     seg.length >= len(prompt_ids)
-                    and 4 * len(prompt_ids) >= 3 * num_rows
+                    and worth_keeping(len(prompt_ids), num_rows)
                     and self.dtype == self.compute_dtype
                 )
                 self._builders[request_id] = RecordBuilder(

@@ -61,11 +61,22 @@ def _peft_model(hf_dir: Path, adapter: LoraAdapter):
 
 
 @torch.inference_mode()
-def record_prefill(model, adapter: LoraAdapter, prompt: torch.Tensor, dtype: torch.dtype, record_id: str = "bench"):
-    """The Record of ``prompt`` made by a serving prefill (the model's recording seam), at adapter version 0."""
+def record_prefill(
+    model,
+    adapter: LoraAdapter | None,
+    prompt: torch.Tensor,
+    dtype: torch.dtype,
+    record_id: str = "bench",
+    version: int = 0,
+    keep_outputs: bool | None = None,
+):
+    """The Record of ``prompt`` made by a serving prefill of it alone (the model's recording seam), tagged with
+    adapter ``version``. As the engine does, it keeps the forward's outputs where their dtype is the record's
+    (``keep_outputs`` None), else copies every row."""
     num_prompt = len(prompt)
     meta = AttentionMetadata.single(num_prompt, need_lse=True)
-    builder = RecordBuilder(record_id, prompt.tolist(), 0, model.config, dtype=dtype, keep_outputs=dtype == model.dtype)
+    keep = dtype == model.dtype if keep_outputs is None else keep_outputs
+    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype, keep_outputs=keep)
     ops = RecordingOps(meta, {0: builder})
     model(prompt, torch.arange(num_prompt), meta, ops, adapter)
     ops.finish()

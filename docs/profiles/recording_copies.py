@@ -1,17 +1,21 @@
 """Profile (not a benchmark): what a recording prefill pays for, taken apart, in one process, interleaved.
 
-    python docs/profiles/recording_copies.py 1024 9 bfloat16      # prompt tokens, repeats, model dtype
+    python docs/profiles/recording_copies.py 1024 15 bfloat16      # prompt tokens, repeats, model dtype
 
-SmolLM2 with LoRA on (B = 0), 2 threads, the CLI's memory setting (``engine/host_memory``); medians, and each mode's
-time over ``plain``'s:
+SmolLM2 with LoRA on (B = 0), 2 threads, the CLI's memory setting (``engine/host_memory``); records in bf16;
+medians, and each mode's time over ``plain``'s:
 
 - ``plain``: a serving prefill that records nothing (inference mode, no log-sum-exp);
-- ``lse``: the same, asking the attention kernel for its log-sum-exp;
+- ``plain_no_grad``: the same under ``no_grad`` instead of inference mode (what running recording forwards outside
+  inference mode, to get normal tensors, would cost);
+- ``lse``: ``plain`` asking the attention kernel for its log-sum-exp;
 - ``keep``: also keeping every tensor a record holds alive until the forward ends, no copy (what recording cannot
   do with less memory traffic);
-- ``record``: ``bench train``'s recording prefill, bf16 records (``RecordBuilder`` keeps the forward's outputs where
-  their dtype is the record's);
-- ``record_copied``: the same with every row copied (as before ``RecordBuilder`` kept outputs).
+- ``record``: ``bench train``'s recording prefill, as the engine records (it keeps the forward's outputs when the
+  model is bf16; with an fp32 model it casts every row into buffers allocated before the forward);
+- ``record_copied``: every row copied into buffers allocated before the forward (``keep_outputs=False``);
+- ``record_lazy`` (fp32 model only): ``keep_outputs=True`` where nothing can be kept (a cast), so every copy goes
+  into a buffer allocated when its first rows arrive, between the forward's temporaries.
 """
 
 import statistics
@@ -20,7 +24,6 @@ import time
 
 import torch
 
-from alchemist.activations.record import RecordBuilder
 from alchemist.bench.training import record_prefill
 from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.model.attention import AttentionMetadata, attend
@@ -60,27 +63,25 @@ class KeepOps(ComputeOps):
         return result.out
 
 
-def forward(ops, need_lse):
-    with torch.inference_mode():
+def forward(ops, need_lse, mode=torch.inference_mode):
+    with mode():
         model(prompt, torch.arange(n), AttentionMetadata.single(n, need_lse=need_lse), ops, adapter)
 
 
-def record_copied():
-    adopt = RecordBuilder._adoptable
-    RecordBuilder._adoptable = lambda *args: False
-    try:
-        record_prefill(model, adapter, prompt, torch.bfloat16)
-    finally:
-        RecordBuilder._adoptable = adopt
+def record(keep_outputs=None):
+    return lambda: record_prefill(model, adapter, prompt, torch.bfloat16, keep_outputs=keep_outputs)
 
 
 modes = {
     "plain": lambda: forward(COMPUTE, False),
+    "plain_no_grad": lambda: forward(COMPUTE, False, torch.no_grad),
     "lse": lambda: forward(LseOps(), True),
     "keep": lambda: forward(KeepOps(), True),
-    "record": lambda: record_prefill(model, adapter, prompt, torch.bfloat16),
-    "record_copied": record_copied,
+    "record": record(),
+    "record_copied": record(keep_outputs=False),
 }
+if dtype != torch.bfloat16:
+    modes["record_lazy"] = record(keep_outputs=True)
 times = {mode: [] for mode in modes}
 for run in modes.values():
     run()

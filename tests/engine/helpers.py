@@ -44,10 +44,12 @@ def run_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     return outputs
 
 
-def recording_engine(model: Llama, max_num_batched_tokens: int) -> LLMEngine:
-    """An engine over ``model`` (4 slots of 128 tokens) that records every prompt, in fp32."""
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, max_model_len=128)
-    return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+def recording_engine(model: Llama, max_num_batched_tokens: int, policy: str = "all", **engine_config) -> LLMEngine:
+    """An engine over ``model`` that records by ``policy``, in fp32: 4 slots of 128 tokens unless ``engine_config``
+    (EngineConfig fields) says otherwise."""
+    sizes = {"max_num_seqs": 4, "max_model_len": 128, **engine_config}
+    config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, **sizes)
+    return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy=policy, dtype="float32"))
 
 
 def random_adapter(model: Llama, seed: int, std: float = 0.05) -> LoraAdapter:

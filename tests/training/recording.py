@@ -5,22 +5,15 @@ from __future__ import annotations
 import torch
 
 from alchemist.activations.record import Record, RecordBuilder, RecordingOps
+from alchemist.bench.training import record_prefill
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment
 
 
-@torch.inference_mode()
 def record_alone(
     model, adapter, prompt: torch.Tensor, dtype=torch.float32, record_id="r", version=0, keep_outputs=None
 ) -> Record:
-    """As the engine records a prompt prefilled alone: keeping the forward's outputs where their dtype is the
-    record's (unless ``keep_outputs`` says otherwise), else copying every row."""
-    keep = dtype == model.dtype if keep_outputs is None else keep_outputs
-    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype, keep_outputs=keep)
-    meta = AttentionMetadata.single(len(prompt), need_lse=True)
-    ops = RecordingOps(meta, {0: builder})
-    model(prompt, torch.arange(len(prompt)), meta, ops=ops, adapter=adapter)
-    ops.finish()
-    return builder.build()
+    """``bench.training.record_prefill`` with the tests' defaults (fp32 records)."""
+    return record_prefill(model, adapter, prompt, dtype, record_id, version, keep_outputs)
 
 
 @torch.inference_mode()

@@ -6,26 +6,17 @@ from __future__ import annotations
 import torch
 
 from alchemist.activations.record import COPIED, RECORDED
-from alchemist.config import EngineConfig, RecordConfig
-from alchemist.engine import LLMEngine
 from alchemist.engine.sequence import SamplingParams
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
-from tests.engine.helpers import char_tokenizer
+from tests.engine.helpers import recording_engine
 from tests.training.recording import record_alone
 from tests.training.test_replay import max_rel_l2, recompute_grads, replay_grads
 
 
-def fp32_engine(tiny_dirs, config: EngineConfig, policy: str) -> tuple:
-    """A tiny fp32 model and an engine that records in fp32 by ``policy``."""
-    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    return model, LLMEngine(model, char_tokenizer(5), config, RecordConfig(policy=policy, dtype="float32"))
-
-
 def test_engine_records_requested_prompts_in_batched_chunked_prefill(tiny_dirs):
-    model, engine = fp32_engine(
-        tiny_dirs, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=256), "requested"
-    )
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = recording_engine(model, max_num_batched_tokens=24, policy="requested", max_model_len=256)
     g = torch.Generator().manual_seed(0)
     prompts = {f"req-{i}": torch.randint(6, 256, (n,), generator=g).tolist() for i, n in enumerate((70, 9, 33, 50))}
     recorded = {"req-0", "req-2"}  # req-0 needs 3+ chunks at 24 tokens a step, beside the others
@@ -48,11 +39,8 @@ def test_engine_records_requested_prompts_in_batched_chunked_prefill(tiny_dirs):
 
 
 def test_preempted_request_is_recorded_whole(tiny_dirs):
-    model, engine = fp32_engine(
-        tiny_dirs,
-        EngineConfig(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128, block_size=4, num_kv_blocks=24),
-        "all",
-    )
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = recording_engine(model, max_num_batched_tokens=32, max_num_seqs=3, block_size=4, num_kv_blocks=24)
     g = torch.Generator().manual_seed(1)
     prompts = {f"p{i}": torch.randint(6, 256, (30,), generator=g).tolist() for i in range(3)}
     for rid, prompt in prompts.items():
@@ -74,9 +62,8 @@ def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
     """A recorded prompt that makes up (at least 3/4 of) one forward keeps that forward's outputs as its record;
     a small prompt beside it, and a prompt prefilled in chunks, are copied. Either way the record is the prompt's
     rows: equal to a recording of the prompt alone that copied every row, and it replays to exact gradients."""
-    model, engine = fp32_engine(
-        tiny_dirs, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), "all"
-    )
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = recording_engine(model, max_num_batched_tokens=64, max_model_len=256)
     g = torch.Generator().manual_seed(2)
     prompts = {rid: torch.randint(6, 256, (n,), generator=g).tolist() for rid, n in (("a", 40), ("b", 8))}
     for rid, prompt in prompts.items():  # one forward: a's 40 rows and b's 8
