@@ -146,6 +146,9 @@ class OnlineConfig:
     max_staleness: int = 4  # adapter versions a record may lag behind and still be replayed (0: exact only)
     replay: bool = True  # False: recompute every prompt (the separate-trainer baseline, for benchmarks)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (from host memory or disk)
+    # Samples (feedback and anchors) trained in one pass, their rows through each layer together: faster per
+    # sample (docs/profiles/group_step.py), and a slice (a layer of a replay walk) takes that much longer.
+    group_size: int = 4
     lora_r: int = 16
     lora_alpha: float = 32.0
     keep_versions: int = 8  # adapter versions kept on disk (rollback targets)
@@ -167,7 +170,7 @@ class OnlineConfig:
     anchor_pool_size: int = 256  # served completions kept as candidate anchors
 
     def __post_init__(self) -> None:
-        _check_positive(self, "batch_size", "epochs", "lora_r", "keep_versions")
+        _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
         _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_max_tokens", "anchor_pool_size")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")

@@ -17,10 +17,15 @@ back. Here the backward is spelled out instead:
 Only the forward values the backward reads are recomputed: the normed inputs, the LoRA down-projections, the prompt
 rows' q (with its LoRA delta, RoPE'd), o and gate/up with their deltas, and the SiLU·mul product. The gradients
 equal autograd's through the recompute path up to rounding (tests/training/test_replay.py).
+
+Several samples walk together (``Packing``): all their prompt rows first, sample by sample, then all their live
+rows. Every op but attention works row by row, so it runs once over all the samples' rows (each weight read once,
+each LoRA matmul one call); attention runs per sample on its rows, gathered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,26 +38,77 @@ from alchemist.training.live_attention import flash_backward, heads_first, live_
 
 
 class PromptRecord:
-    """One layer's record, its first ``num_rows`` rows, and the compute dtype they are cast to where used."""
+    """One layer's records of the prompts of a walk, sample i's first ``counts[i]`` rows (its prompt rows), read
+    as one block of rows sample after sample; and the compute dtype they are cast to where used."""
 
-    def __init__(self, layer_record: dict[str, torch.Tensor], num_rows: int, dtype: torch.dtype) -> None:
-        self.source = layer_record
-        self.num_rows = num_rows
+    def __init__(
+        self, layer_records: Sequence[dict[str, torch.Tensor]], counts: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        self.sources = list(layer_records)
+        self.counts = list(counts)
+        self.num_rows = sum(self.counts)
         self.dtype = dtype
 
     def rows(self, name: str) -> torch.Tensor:
-        """The recorded rows as stored (the record's own memory, in the record's dtype: read them, never write)."""
-        return self.source[name][: self.num_rows]
+        """The recorded rows as stored, in the record's dtype: of one sample, the record's own memory (read it,
+        never write); of several, a copy of theirs, one after the other."""
+        parts = [source[name][:n] for source, n in zip(self.sources, self.counts, strict=True)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Packing:
+    """Where each sample's rows are in a walk over several: first the prompt rows, ``prompt[i]`` of sample i,
+    sample after sample, then the live rows, ``live[i]`` of each, in the same order. One sample: [prompt; live].
+
+    Row-wise work runs on all rows at once; attention needs each sample's own rows, prompt then live, together:
+    ``segment`` gathers them (a view for one sample), ``join`` puts per-sample results back in this order."""
+
+    def __init__(self, prompt: Sequence[int], live: Sequence[int]) -> None:
+        self.prompt, self.live = list(prompt), list(live)
+        self.num_prompt, self.num_live = sum(self.prompt), sum(self.live)
+        self._prompt_at = [sum(self.prompt[:i]) for i in range(len(self.prompt))]
+        self._live_at = [sum(self.live[:i]) for i in range(len(self.live))]
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """Each row's position in its own sequence."""
+        prompt = [torch.arange(n, device=device) for n in self.prompt]
+        live = [torch.arange(n, n + r, device=device) for n, r in zip(self.prompt, self.live, strict=True)]
+        return torch.cat(prompt + live)
+
+    def prompt_rows(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Sample i's rows of a tensor of the prompt rows only."""
+        return t[self._prompt_at[i] : self._prompt_at[i] + self.prompt[i]]
+
+    def live_rows(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Sample i's rows of a tensor of the live rows only."""
+        return t[self._live_at[i] : self._live_at[i] + self.live[i]]
+
+    def segment(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Sample i's rows, prompt then live, of a tensor of all rows (a view for one sample)."""
+        if len(self) == 1:
+            return t
+        return torch.cat([self.prompt_rows(t[: self.num_prompt], i), self.live_rows(t[self.num_prompt :], i)])
+
+    def join(self, segments: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``segment``'s inverse: per-sample rows (prompt then live, each) -> all rows in this packing's order."""
+        if len(self) == 1:
+            return segments[0]
+        prompt = [s[:n] for s, n in zip(segments, self.prompt, strict=True)]
+        live = [s[n:] for s, n in zip(segments, self.prompt, strict=True)]
+        return torch.cat(prompt + live)
 
 
 class LiveLayer(NamedTuple):
-    """What the live forward keeps of one layer for the walk: the R live rows' forward values, and the keys and
-    values of all n + R rows (the prompt's rebuilt from the record)."""
+    """What the live forward keeps of one layer for the walk: the R live rows' forward values (of all samples, in
+    ``Packing`` order), and each sample's keys and values of its n + R rows (the prompt's rebuilt from the record)."""
 
     h: torch.Tensor  # (R, d) the layer's input
     q: torch.Tensor  # (R, H, Dh) RoPE'd
-    k: torch.Tensor  # (n + R, Hkv, Dh) RoPE'd
-    v: torch.Tensor  # (n + R, Hkv, Dh)
+    k: list[torch.Tensor]  # per sample (n + R, Hkv, Dh) RoPE'd
+    v: list[torch.Tensor]  # per sample (n + R, Hkv, Dh)
     attn: torch.Tensor  # (R, H * Dh) attention output over all n + R keys
     lse: torch.Tensor  # (R, H) its log-sum-exp (fp32; fp64 for fp64)
     h_mid: torch.Tensor  # (R, d) after the attention's residual add
@@ -83,16 +139,19 @@ def layer_backward(
     live: LiveLayer,
     rot: Rotation,
     dh_out: torch.Tensor,
+    pack: Packing | None = None,
 ) -> torch.Tensor | None:
-    """Backward of layer ``layer`` over rows 0..n+R-1; accumulates the adapter's gradients.
+    """Backward of layer ``layer`` over the n + R rows of the samples in ``pack`` (default: one sample, rows
+    0..n+R-1); accumulates the adapter's gradients.
 
-    rot: the rotation of positions 0..n+R-1. dh_out: the gradient of the layer's output rows, (n + R, d), or (R, d)
-    at the top layer, where only the live rows' outputs feed the loss (the prompt rows matter there through their
-    keys and values only). Returns the gradient of the layer's input rows (n + R, d), None for layer 0 (its input
-    is the frozen embedding).
+    rot: the rotation of the rows (in ``pack``'s order). dh_out: the gradient of the layer's output rows, (n + R, d),
+    or (R, d) at the top layer, where only the live rows' outputs feed the loss (the prompt rows matter there
+    through their keys and values only). Returns the gradient of the layer's input rows (n + R, d), None for layer
+    0 (its input is the frozen embedding).
     """
     c, mod = model.config, model.layers[layer]
     n, num_live = rec.num_rows, live.h.shape[0]
+    pack = pack or Packing([n], [num_live])
     heads, head_dim = c.num_heads, c.head_dim
     top = n > 0 and dh_out.shape[0] == num_live  # the prompt rows' outputs carry no gradient
     h_in = _stack(rec.rows("h"), live.h)
@@ -119,24 +178,32 @@ def layer_backward(
     dq_pre, dk_pre, dv_pre = (t.view(-1, t.shape[-1] // head_dim, head_dim) for t in d_qkv.split(
         [c.q_size, c.kv_size, c.kv_size], -1))  # fmt: skip
     d_out = d_attn.view(-1, heads, head_dim)
-    if top:  # queries: the live rows only (``live_attention``'s backward)
-        dq, dk, dv = live_attention_backward(
-            d_out, live.q, live.k, live.v, live.attn.view(num_live, heads, head_dim), live.lse, n
-        )
+    if top:  # queries: the live rows only (``live_attention``'s backward), per sample
+        out = live.attn.view(num_live, heads, head_dim)
+        grads = [live_attention_backward(*(pack.live_rows(t, i) for t in (d_out, live.q)), live.k[i], live.v[i],
+                                         *(pack.live_rows(t, i) for t in (out, live.lse)), pack.prompt[i])
+                 for i in range(len(pack))]  # fmt: skip
+        dq = grads[0][0] if len(pack) == 1 else torch.cat([g[0] for g in grads])
+        dk, dv = pack.join([g[1] for g in grads]), pack.join([g[2] for g in grads])
         dq_pre[:n].zero_()
         rotate_into(dq, rot.rows(n), dq_pre[n:], inverse=True)
-    else:  # one causal attention over all n + R rows
+    else:  # one causal attention over each sample's n + R rows
         q_rows = rec.rows("qkv")[:, : c.q_size]
         q_prompt = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(
             layer, "qkv", q_rows, xa_qkv[:n], ("q_proj",))  # fmt: skip
         q = _after_live_rows(n, live.q)
         rotate_into(q_prompt.view(n, heads, head_dim), rot.rows(0, n), q[:n])
-        lse = _stack(rec.rows("lse"), live.lse).t().unsqueeze(0)  # (1, H, n + R)
-        # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies.
-        dq, dk, dv = (rows_first(t) for t in flash_backward(
-            heads_first(d_out), heads_first(q), heads_first(live.k), heads_first(live.v),
-            heads_first(attn.view(-1, heads, head_dim)), lse, 0.0, True, scale=head_dim**-0.5,
-        ))  # fmt: skip
+        lse = _stack(rec.rows("lse"), live.lse)  # (n + R, H)
+        out = attn.view(-1, heads, head_dim)
+        grads = []
+        for i in range(len(pack)):
+            d_out_i, q_i, out_i, lse_i = (pack.segment(t, i) for t in (d_out, q, out, lse))
+            # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies.
+            grads.append([rows_first(t) for t in flash_backward(
+                heads_first(d_out_i), heads_first(q_i), heads_first(live.k[i]), heads_first(live.v[i]),
+                heads_first(out_i), lse_i.t().unsqueeze(0), 0.0, True, scale=head_dim**-0.5,
+            )])  # fmt: skip
+        dq, dk, dv = (pack.join([g[j] for g in grads]) for j in range(3))
         rotate_into(dq, rot, dq_pre, inverse=True)
     rotate_into(dk, rot, dk_pre, inverse=True)
     dv_pre.copy_(dv)

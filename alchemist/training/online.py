@@ -87,6 +87,7 @@ class OnlineTrainer:
                 max_staleness=config.max_staleness,
                 replay=config.replay,
                 prefetch_depth=config.prefetch_depth,
+                group_size=config.group_size,
             ),
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
@@ -205,13 +206,16 @@ class OnlineTrainer:
         self._job_s = 0.0
         for _ in range(self.config.epochs):
             loss = kl = 0.0
-            for sample in samples + anchors:
-                is_anchor = sample.targets is not None
-                scale = self.config.anchor_weight / len(anchors) if is_anchor else 1.0 / len(samples)
-                sample_loss, replayed = yield from self.trainer.backward_slices(sample, scale)
-                if replayed:
-                    self.stats.staleness_sum += self.trainer.stats.staleness_used.pop()
-                if is_anchor:
+            passes = samples + anchors
+            scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
+                      for s in passes]  # fmt: skip
+            used = self.trainer.stats.staleness_used  # one entry per replayed sample, appended in order
+            before = len(used)
+            results = yield from self.trainer.backward_batch_slices(passes, scales)
+            self.stats.staleness_sum += sum(used[before:])
+            del used[before:]
+            for sample, (sample_loss, replayed) in zip(passes, results, strict=True):
+                if sample.targets is not None:  # an anchor
                     kl += sample_loss / len(anchors)
                     self.stats.anchor_samples += 1
                     self.stats.anchor_tokens += len(sample.response_ids)
@@ -223,7 +227,7 @@ class OnlineTrainer:
                     self.stats.response_tokens += len(sample.response_ids)
                     self.stats.replayed += replayed
                     self.stats.recomputed += not replayed
-                yield
+            yield
             self.trainer.update()
             self.stats.steps += 1
             losses.append(loss)

@@ -39,9 +39,11 @@ class RecordReader:
         stats,  # counts layers_reloaded, layers_recomputed, record_bytes_read (the trainer's stats)
         depth: int,
         num_live: int = 0,
+        walk_rows: int | None = None,
     ) -> None:
         self.store, self.record_id = store, record.record_id
-        self.walk_rows = num_rows + num_live
+        # the rows each step of the walk differentiates: this replay's, or those of all the samples walking with it
+        self.walk_rows = num_rows + num_live if walk_rows is None else walk_rows
         self.model, self.adapter = model, adapter
         self.num_rows, self.costs, self.stats = num_rows, costs, stats
         self.tier = store.tier_of(record.record_id) or "device"

@@ -24,7 +24,8 @@ the CPU flash kernels that return and consume the log-sum-exp (as recording does
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -36,12 +37,27 @@ from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
-from alchemist.training.layer_backward import LiveLayer, PromptRecord, layer_backward, prompt_kv
+from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward, prompt_kv
 from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss
 
 T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
+
+
+@dataclass
+class ReplaySample:
+    """One sample of a replay: its prompt and response ids, its prompt's record layers (``record_layers(l)``:
+    layer l's record for (at least) positions 0..P-2; ``walk_layers``, default the same, gives the walk its layers
+    from the top, each once), its loss's scale, and ``targets`` for an anchor (the loss is then the KL to them
+    instead of the response's cross-entropy: ``alchemist.training.losses``)."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    record_layers: RecordLayers
+    walk_layers: RecordLayers | None = None
+    loss_scale: float = 1.0
+    targets: Targets | None = None
 
 
 def replay_backward(
@@ -53,13 +69,12 @@ def replay_backward(
     loss_scale: float = 1.0,
     targets: Targets | None = None,
 ) -> float:
-    """Accumulates ``loss_scale * dloss/dadapter`` into the adapter's .grad; returns the loss.
+    """Accumulates ``loss_scale * dloss/dadapter`` of one sample into the adapter's .grad; returns the loss.
 
     ``record_layers(l)`` gives layer l's record for (at least) positions 0..P-2 of this prompt.
     """
-    return run_to_end(
-        replay_backward_slices(model, adapter, record_layers, prompt_ids, response_ids, loss_scale, targets=targets)
-    )
+    sample = ReplaySample(prompt_ids, response_ids, record_layers, loss_scale=loss_scale, targets=targets)
+    return run_to_end(replay_backward_slices(model, adapter, [sample]))[0]
 
 
 def run_to_end(slices: Generator[None, None, T]) -> T:
@@ -72,74 +87,74 @@ def run_to_end(slices: Generator[None, None, T]) -> T:
 
 
 def replay_backward_slices(
-    model: Llama,
-    adapter: LoraAdapter,
-    record_layers: RecordLayers,
-    prompt_ids: torch.Tensor,
-    response_ids: torch.Tensor,
-    loss_scale: float = 1.0,
-    walk_layers: RecordLayers | None = None,
-    targets: Targets | None = None,
-) -> Generator[None, None, float]:
-    """``replay_backward`` in slices: yields after each layer of the live forward (the last one with the loss),
-    after the loss's backward and after each layer of the walk (the points where serving may preempt training);
-    returns the loss.
-    ``walk_layers`` (default ``record_layers``) gives the walk its layers, from the top, each once. ``targets``: the
-    loss is the KL to them (an anchor, ``alchemist.training.losses``) instead of the response's cross-entropy."""
-    walk_layers = walk_layers or record_layers
-    n = len(prompt_ids) - 1  # prompt rows replayed; row P-1 runs live
-    if not n:  # a one-token prompt: the live rows are the whole sequence, no record is read
-        record_layers = walk_layers = no_rows(model)
-    live_ids = torch.cat([prompt_ids[-1:], response_ids[:-1]])
-    rot = model.rope(torch.arange(n + len(live_ids), device=prompt_ids.device), model.dtype)
+    model: Llama, adapter: LoraAdapter, samples: Sequence[ReplaySample]
+) -> Generator[None, None, list[float]]:
+    """Replays several samples together, accumulating each one's ``loss_scale * dloss/dadapter``, in slices:
+    yields after each layer of the live forward (the last one with the loss), after the loss's backward and after
+    each layer of the walk (the points where serving may preempt training); returns the samples' losses.
+
+    The samples' rows go through every layer together (``Packing``: one matmul per weight for all of them),
+    attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding."""
+    pack = Packing([len(s.prompt_ids) - 1 for s in samples], [len(s.response_ids) for s in samples])
+    # a one-token prompt: its live rows are the whole sequence, no record is read
+    forward = [s.record_layers if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
+    walk = [(s.walk_layers or s.record_layers) if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
+    live_ids = torch.cat([torch.cat([s.prompt_ids[-1:], s.response_ids[:-1]]) for s in samples])
+    rot = model.rope(pack.positions(live_ids.device), model.dtype)
 
     # 1. The live forward, keeping each layer's values for the walk.
-    lives, h = yield from live_forward(model, adapter, record_layers, live_ids, n, rot)
+    lives, h = yield from live_forward(model, adapter, forward, live_ids, pack, rot)
     h_top = h.requires_grad_()
-    loss = response_loss(model, h_top, response_ids, targets)
+    losses = [response_loss(model, pack.live_rows(h_top, i), s.response_ids, s.targets)
+              for i, s in enumerate(samples)]  # fmt: skip
     yield
     # 2. The loss's gradient at the live rows' final hidden states.
-    (loss * loss_scale).backward()
+    sum(loss * s.loss_scale for loss, s in zip(losses, samples, strict=True)).backward()
     yield
 
     # 3. Walk the layers from the top down, prompt and live rows together.
     dh: torch.Tensor | None = h_top.grad  # gradient of this layer's output rows: the live rows' at the top
     for layer in reversed(range(model.config.num_layers)):
-        rec = PromptRecord(walk_layers(layer), n, model.dtype)
+        rec = PromptRecord([layers(layer) for layers in walk], pack.prompt, model.dtype)
         assert dh is not None
-        dh = layer_backward(model, adapter, layer, rec, lives.pop(), rot, dh)
+        dh = layer_backward(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
         if layer:
             yield
-    return loss.item()
+    return [loss.item() for loss in losses]
 
 
 @torch.no_grad()  # (on a generator: grad mode is off only while its body runs, not while it is paused)
 def live_forward(
     model: Llama,
     adapter: LoraAdapter,
-    record_layers: RecordLayers,
+    record_layers: Sequence[RecordLayers],
     live_ids: torch.Tensor,
-    n: int,
+    pack: Packing,
     rot: Rotation,
 ) -> Generator[None, None, tuple[list[LiveLayer], torch.Tensor]]:
-    """The live rows (positions n .. n+R-1) through every layer, attending to the prompt's n recorded rows, in
-    slices of one layer; returns each layer's ``LiveLayer`` and the final hidden states (R, d)."""
+    """The live rows of each sample (its positions n .. n+R-1) through every layer, attending to its prompt's n
+    recorded rows, in slices of one layer; returns each layer's ``LiveLayer`` and the final hidden states (R, d)
+    of all live rows."""
     c = model.config
+    n = pack.num_prompt
     rot_prompt, rot_live = rot.rows(0, n), rot.rows(n)
     lives: list[LiveLayer] = []
     h = F.embedding(live_ids, model.embed)
     for layer in range(c.num_layers):
-        rec = PromptRecord(record_layers(layer), n, model.dtype)
+        rec = PromptRecord([layers(layer) for layers in record_layers], pack.prompt, model.dtype)
         k_prompt, v_prompt = prompt_kv(model, adapter, layer, rec, rot_prompt)
         q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
-        k, v = torch.cat([k_prompt, k]), torch.cat([v_prompt, v])  # (n + R, Hkv, Dh)
-        out, lse = live_attention(q, k, v, n)
+        # each sample's keys and values: [its prompt's ; its live rows'] (n + R, Hkv, Dh)
+        ks = [torch.cat([pack.prompt_rows(k_prompt, i), pack.live_rows(k, i)]) for i in range(len(pack))]
+        vs = [torch.cat([pack.prompt_rows(v_prompt, i), pack.live_rows(v, i)]) for i in range(len(pack))]
+        outs = [live_attention(pack.live_rows(q, i), ks[i], vs[i], pack.prompt[i]) for i in range(len(pack))]
+        out, lse = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs]), torch.cat([s for _, s in outs]))
         h_mid = model.attention_output(layer, h, out, COMPUTE, adapter)
         # model.mlp, spelled out to keep gate/up (with its delta) for the walk
         gate_up = model.project(layer, "gate_up", rms_norm(h_mid, model.layers[layer].post_norm, c.rms_norm_eps),
                                 COMPUTE, adapter)  # fmt: skip
         gate, up = gate_up.chunk(2, dim=-1)
-        lives.append(LiveLayer(h, q, k, v, out.flatten(-2), lse, h_mid, gate_up))
+        lives.append(LiveLayer(h, q, ks, vs, out.flatten(-2), lse, h_mid, gate_up))
         h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
         if layer < c.num_layers - 1:
             yield

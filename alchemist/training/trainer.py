@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -21,9 +22,11 @@ from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
-from alchemist.training.recompute import recompute_loss
+from alchemist.training.recompute import recompute_losses
 from alchemist.training.record_reader import RecordReader
-from alchemist.training.replay import replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward_slices, run_to_end
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class TrainerConfig:
     max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
     replay: bool = True  # False: always recompute (the separate-trainer baseline)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
+    group_size: int = 4  # samples trained in one pass (their rows through each layer together)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -45,6 +49,8 @@ class TrainerConfig:
             raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm})")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0 (got {self.prefetch_depth})")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1 (got {self.group_size})")
 
 
 @dataclass
@@ -110,19 +116,15 @@ class Trainer:
         if not samples:
             raise ValueError("a training step needs at least one sample")
         t0 = time.perf_counter()
-        replayed = 0
-        total_loss = 0.0
-        for sample in samples:
-            loss, was_replayed = self.backward(sample, loss_scale=1.0 / len(samples))
-            replayed += was_replayed
-            total_loss += loss / len(samples)
+        scales = [1.0 / len(samples)] * len(samples)
+        results = run_to_end(self.backward_batch_slices(samples, scales))
         self.update()
         return StepResult(
-            loss=total_loss,
+            loss=sum(loss for loss, _ in results) / len(samples),
             num_samples=len(samples),
             response_tokens=sum(len(s.response_ids) for s in samples),
-            replayed=replayed,
-            recomputed=len(samples) - replayed,
+            replayed=sum(replayed for _, replayed in results),
+            recomputed=sum(not replayed for _, replayed in results),
             adapter_version=self.adapter.version,
             step_s=time.perf_counter() - t0,
         )
@@ -134,43 +136,90 @@ class Trainer:
     def backward_slices(self, sample: Sample, loss_scale: float = 1.0) -> Generator[None, None, tuple[float, bool]]:
         """``backward`` in slices (one per layer of a replay; a recompute is one slice): yields where serving may
         preempt training, returns (the sample's loss, whether it was replayed)."""
+        results = yield from self.group_backward_slices([sample], [loss_scale])
+        return results[0]
+
+    def backward_batch_slices(
+        self, samples: list[Sample], loss_scales: list[float]
+    ) -> Generator[None, None, list[tuple[float, bool]]]:
+        """Accumulates the samples' scaled gradients, ``group_size`` samples at a time (``group_backward_slices``),
+        in slices (each group's, and a pause between groups); returns (loss, replayed) of each."""
+        results: list[tuple[float, bool]] = []
+        size = self.config.group_size
+        for start in range(0, len(samples), size):
+            if start:
+                yield
+            group = slice(start, start + size)
+            results += yield from self.group_backward_slices(samples[group], loss_scales[group])
+        return results
+
+    def group_backward_slices(
+        self, samples: list[Sample], loss_scales: list[float]
+    ) -> Generator[None, None, list[tuple[float, bool]]]:
+        """Accumulates the scaled gradients of a group of samples trained together: those with a usable record
+        replayed in one walk, the others recomputed in one forward and backward (one slice). Yields where serving
+        may preempt training; returns (loss, whether it was replayed) of each sample."""
         device = self.model.device
-        prompt = torch.tensor(sample.prompt_ids, device=device)
-        response = torch.tensor(sample.response_ids, device=device)
-        self.stats.samples += 1
-        self.stats.response_tokens += len(sample.response_ids)
-        record = self.usable_record(sample)
-        if record is not None:
-            reader = RecordReader(
-                self.store, record, self.model, self.adapter, len(prompt) - 1, self.costs, self.stats,
-                self.config.prefetch_depth, num_live=len(response),
-            )  # fmt: skip
-            # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
-            kept = None
-            if reader.tier == "disk":
-                kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
-            try:
-                slices = replay_backward_slices(
-                    self.model, self.adapter, reader.forward_layer, prompt, response, loss_scale, reader.walk_layer,
-                    sample.targets,
-                )  # fmt: skip
-                loss_value = yield from _paused_timed(slices, reader)
-                self.stats.replayed += 1
-                self.stats.staleness_used.append(self.adapter.version - record.adapter_version)
-                return loss_value, True
-            except RecordUnavailable:  # a damaged file: never train on part of it
-                if kept is None:
-                    raise
-                for p, g in zip(self.adapter.parameters(), kept, strict=True):
-                    p.grad = g
-                self.stats.unreadable += 1
-            finally:
+        ids = [(torch.tensor(s.prompt_ids, device=device), torch.tensor(s.response_ids, device=device))
+               for s in samples]  # fmt: skip
+        self.stats.samples += len(samples)
+        self.stats.response_tokens += sum(len(s.response_ids) for s in samples)
+        results: list[tuple[float, bool] | None] = [None] * len(samples)
+        records = {i: record for i, s in enumerate(samples) if (record := self.usable_record(s)) is not None}
+        if records:
+            replayed = yield from self._replay_group(samples, loss_scales, ids, records)
+            for i, loss in (replayed or {}).items():
+                results[i] = loss, True
+        recompute = [i for i, result in enumerate(results) if result is None]
+        if recompute:
+            self.stats.recomputed += len(recompute)
+            losses = recompute_losses(self.model, self.adapter, [(*ids[i], samples[i].targets) for i in recompute])
+            sum(loss * loss_scales[i] for loss, i in zip(losses, recompute, strict=True)).backward()
+            for loss, i in zip(losses, recompute, strict=True):
+                results[i] = loss.item(), False
+        return results  # type: ignore[return-value]
+
+    def _replay_group(
+        self,
+        samples: list[Sample],
+        loss_scales: list[float],
+        ids: list[tuple[torch.Tensor, torch.Tensor]],
+        records: dict[int, Record],
+    ) -> Generator[None, None, dict[int, float] | None]:
+        """Replays the samples with (pinned) ``records`` together; returns their losses by index, or None if a
+        record on disk went bad mid-read (no gradient of the group is kept then: the caller recomputes them)."""
+        walk_rows = sum(len(samples[i].prompt_ids) - 1 + len(samples[i].response_ids) for i in records)
+        readers = {
+            i: RecordReader(
+                self.store, record, self.model, self.adapter, len(samples[i].prompt_ids) - 1, self.costs, self.stats,
+                self.config.prefetch_depth, num_live=len(samples[i].response_ids), walk_rows=walk_rows,
+            )
+            for i, record in records.items()
+        }  # fmt: skip
+        # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
+        kept = None
+        if any(reader.tier == "disk" for reader in readers.values()):
+            kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
+        try:
+            replay = [
+                ReplaySample(*ids[i], reader.forward_layer, reader.walk_layer, loss_scales[i], samples[i].targets)
+                for i, reader in readers.items()
+            ]
+            losses = yield from _paused_timed(replay_backward_slices(self.model, self.adapter, replay), readers)
+        except RecordUnavailable:  # a damaged file: never train on part of it
+            if kept is None:
+                raise
+            for p, g in zip(self.adapter.parameters(), kept, strict=True):
+                p.grad = g
+            self.stats.unreadable += 1
+            return None
+        finally:
+            for i, reader in readers.items():
                 reader.close()
-                self.store.release(record.record_id)
-        self.stats.recomputed += 1
-        loss = recompute_loss(self.model, self.adapter, prompt, response, sample.targets)
-        (loss * loss_scale).backward()
-        return loss.item(), False
+                self.store.release(records[i].record_id)
+        self.stats.replayed += len(records)
+        self.stats.staleness_used += [self.adapter.version - records[i].adapter_version for i in records]
+        return dict(zip(records, losses, strict=True))
 
     def usable_record(self, sample: Sample) -> Record | None:
         """The sample's record, pinned, if it covers the prompt and is fresh enough; else None (counted)."""
@@ -194,8 +243,8 @@ class Trainer:
         self.stats.steps += 1
 
 
-def _paused_timed(slices: Generator[None, None, float], reader: RecordReader) -> Generator[None, None, float]:
-    """Passes the replay's slices on, telling the reader how long each pause (serving's turn) lasted."""
+def _paused_timed(slices: Generator[None, None, T], readers: dict[int, RecordReader]) -> Generator[None, None, T]:
+    """Passes the replay's slices on, telling the readers how long each pause (serving's turn) lasted."""
     while True:
         try:
             next(slices)
@@ -203,4 +252,5 @@ def _paused_timed(slices: Generator[None, None, float], reader: RecordReader) ->
             return done.value
         paused = time.perf_counter()
         yield
-        reader.paused_for(time.perf_counter() - paused)
+        for reader in readers.values():
+            reader.paused_for(time.perf_counter() - paused)
