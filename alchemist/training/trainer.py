@@ -1,7 +1,8 @@
 """The trainer: one optimizer step of a LoRA adapter over a batch of samples, replaying records where it can.
 
 ``Trainer.step`` reads as the story: fetch each sample's record -> replay it (or recompute the prompt) ->
-loss -> backward (accumulated over the batch) -> clip -> update -> bump the adapter version.
+loss -> backward (accumulated over the batch) -> clip -> update -> bump the adapter version. Samples go through
+the model ``group_size`` at a time: a group's replayable samples in one walk, its others in one recompute forward.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
 while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
@@ -189,18 +190,17 @@ class Trainer:
         """Replays the samples with (pinned) ``records`` together; returns their losses by index, or None if a
         record on disk went bad mid-read (no gradient of the group is kept then: the caller recomputes them)."""
         walk_rows = sum(len(samples[i].prompt_ids) - 1 + len(samples[i].response_ids) for i in records)
-        readers = {
-            i: RecordReader(
-                self.store, record, self.model, self.adapter, len(samples[i].prompt_ids) - 1, self.costs, self.stats,
-                self.config.prefetch_depth, num_live=len(samples[i].response_ids), walk_rows=walk_rows,
-            )
-            for i, record in records.items()
-        }  # fmt: skip
-        # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
+        readers: dict[int, RecordReader] = {}
         kept = None
-        if any(reader.tier == "disk" for reader in readers.values()):
-            kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
         try:
+            for i, record in records.items():
+                readers[i] = RecordReader(
+                    self.store, record, self.model, self.adapter, len(samples[i].prompt_ids) - 1, self.costs,
+                    self.stats, self.config.prefetch_depth, num_live=len(samples[i].response_ids), walk_rows=walk_rows,
+                )  # fmt: skip
+            # Only a file can fail mid-read (a pinned record never moves): keep the gradients to go back to then.
+            if any(reader.tier == "disk" for reader in readers.values()):
+                kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
             replay = [
                 ReplaySample(*ids[i], reader.forward_layer, reader.walk_layer, loss_scales[i], samples[i].targets)
                 for i, reader in readers.items()
@@ -214,9 +214,10 @@ class Trainer:
             self.stats.unreadable += 1
             return None
         finally:
-            for i, reader in readers.items():
+            for reader in readers.values():
                 reader.close()
-                self.store.release(records[i].record_id)
+            for record in records.values():
+                self.store.release(record.record_id)
         self.stats.replayed += len(records)
         self.stats.staleness_used += [self.adapter.version - records[i].adapter_version for i in records]
         return dict(zip(records, losses, strict=True))

@@ -132,3 +132,26 @@ def test_hedged_layers_are_recomputed_from_their_input(model, adapter, sample_id
         assert ((p.grad - e).norm() / e.norm()).item() <= 1e-6
     # The plan learned from the step: the disk's read bandwidth was measured (the input reads).
     assert trainer.costs.read_bytes_per_s["disk"] > 1e3
+
+
+def test_corrupt_record_in_a_group_recomputes_the_whole_group(model, adapter, sample_ids, tmp_path):
+    """Two samples replayed together, one record on disk: its file goes bad during the walk, so neither sample's
+    partial replay is kept; both are recomputed (together), and the other record is released."""
+    prompt, response = sample_ids
+    samples = [Sample(prompt.tolist(), response.tolist(), record_id="resp"),
+               Sample(prompt[:30].tolist(), response.tolist(), record_id="later")]  # fmt: skip
+    expected = Trainer(model, copy.deepcopy(adapter), None, TrainerConfig(group_size=2))
+    _run(expected.backward_batch_slices(samples, [0.5, 0.5]))
+    store = record_down_to("disk", model, adapter, prompt, torch.float32, tmp_path)  # "later" stays in memory
+    path = sorted(tmp_path.glob(f"*{disk.SUFFIX}"))[0]
+    trainer = Trainer(model, copy.deepcopy(adapter), store, TrainerConfig(prefetch_depth=0, group_size=2))
+    slices = trainer.backward_batch_slices(samples, [0.5, 0.5])
+    for _ in range(model.config.num_layers + 2):  # the live forward's layers, the loss, its backward, a layer
+        next(slices)
+    flip_byte_of(path, "0.gate_up")
+    results = _run(slices)
+    assert [replayed for _, replayed in results] == [False, False]
+    assert (trainer.stats.unreadable, trainer.stats.recomputed, trainer.stats.replayed) == (1, 2, 0)
+    for p, e in zip(trainer.adapter.parameters(), expected.adapter.parameters(), strict=True):
+        assert torch.equal(p.grad, e.grad)
+    assert store.evict("later")  # released: no pin left behind
