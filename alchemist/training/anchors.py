@@ -10,7 +10,8 @@ that got feedback, nor one whose prompt got feedback), the base model being the 
 off (as PEFT's ``disable_adapter`` gives TRL its reference).
 
 - ``reference_targets``: the base model's top-k log-probabilities at each response position (``Targets``),
-  computed once per anchor (one forward of prompt + response without the adapter) and kept with it. The loss
+  computed once per anchor (one forward of prompt + response without the adapter; ``references``: several
+  anchors' in one forward) and kept with it. The loss
   (``alchemist.training.losses.kl_to_targets``) is the KL restricted to those k tokens, sum_j p_j (log p_j -
   log q_j): its gradient is the soft cross-entropy's. k = 32 keeps 0.96 of SmolLM2's next-token mass at the
   median position of held-out ShareGPT replies, 0.89 on average (``docs/profiles/top_k_mass.py``).
@@ -25,22 +26,31 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from alchemist.model.llama import Llama
 from alchemist.training.losses import Targets, log_probs
-from alchemist.training.recompute import response_hidden
+from alchemist.training.recompute import responses_hidden
+
+
+def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int) -> Targets:
+    """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2."""
+    return references(model, [(prompt_ids, response_ids)], top_k)[0]
 
 
 @torch.no_grad()
-def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int) -> Targets:
-    """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2."""
-    prompt, response = (torch.tensor(ids, device=model.device) for ids in (prompt_ids, response_ids))
-    logprobs = log_probs(model.logits(response_hidden(model, None, prompt, response)))
-    top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-    return Targets(top.indices, top.values)
+def references(model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int) -> list[Targets]:
+    """``reference_targets`` of several (prompt ids, response ids), from one forward over all of them."""
+    pairs = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device)) for p, r in samples]
+    targets = []
+    for hidden in responses_hidden(model, None, pairs):
+        logprobs = log_probs(model.logits(hidden))
+        top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+        targets.append(Targets(top.indices, top.values))
+    return targets
 
 
 @dataclass

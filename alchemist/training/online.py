@@ -39,7 +39,7 @@ from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
-from alchemist.training.anchors import AnchorPool, reference_targets
+from alchemist.training.anchors import AnchorPool, references
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -254,18 +254,21 @@ class OnlineTrainer:
 
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
-        each with the base model's top-k distribution there (computed once per anchor, one slice each)."""
+        each with the base model's top-k distribution there (computed once per anchor, ``group_size`` anchors per
+        forward, one slice each)."""
         if not self.config.anchor_weight:
             return []
-        samples = []
         c = self.config
-        for anchor in self.anchors.recent(c.anchor_samples):
-            response = anchor.response_ids[: c.anchor_max_tokens]
-            if anchor.targets is None:
-                anchor.targets = reference_targets(self.engine.model, anchor.prompt_ids, response, c.anchor_top_k)
-                yield
-            samples.append(Sample(anchor.prompt_ids, response, anchor.response_id, anchor.targets))
-        return samples
+        recent = self.anchors.recent(c.anchor_samples)
+        anchors = [(anchor, anchor.response_ids[: c.anchor_max_tokens]) for anchor in recent]
+        new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
+        for start in range(0, len(new), c.group_size):
+            group = new[start : start + c.group_size]
+            targets = references(self.engine.model, [(a.prompt_ids, r) for a, r in group], c.anchor_top_k)
+            for (anchor, _), anchor_targets in zip(group, targets, strict=True):
+                anchor.targets = anchor_targets
+            yield
+        return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
 
     # --- rollback (any thread) -----------------------------------------------------------------------------------
 

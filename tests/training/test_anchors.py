@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from alchemist.engine import SamplingParams
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, reference_targets
+from alchemist.training.anchors import Anchor, AnchorPool, reference_targets, references
 from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import replay_backward
@@ -40,6 +40,19 @@ def test_reference_targets_are_the_base_models_top_k(tiny_dirs):
     # With the adapter off (B = 0 anyway here) the recompute path's KL to its own targets is zero.
     loss = recompute_loss(model, None, torch.tensor(prompt), torch.tensor(response), targets)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_references_of_several_anchors_in_one_forward_equal_each_alone(tiny_dirs):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    g = torch.Generator().manual_seed(6)
+    pairs = [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
+             for p, r in ((17, 4), (1, 3), (30, 1))]  # fmt: skip
+    together = references(model, pairs, top_k=6)
+    for (prompt, response), got in zip(pairs, together, strict=True):
+        alone = reference_targets(model, prompt, response, top_k=6)
+        assert got.ids.shape == (len(response), 6)
+        assert torch.equal(got.ids, alone.ids)
+        assert torch.allclose(got.logprobs, alone.logprobs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefill", ["alone", "batched_chunked"])
