@@ -205,34 +205,17 @@ class OnlineTrainer:
         anchors = yield from self._anchor_samples()
         losses, kls, tokens = [], [], 0
         self._job_s = 0.0
+        passes = samples + anchors
+        scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
+                  for s in passes]  # fmt: skip
         for _ in range(self.config.epochs):
-            loss = kl = 0.0
-            passes = samples + anchors
-            scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
-                      for s in passes]  # fmt: skip
-            used = self.trainer.stats.staleness_used  # one entry per replayed sample, appended in order
-            before = len(used)
-            results = yield from self.trainer.backward_batch_slices(passes, scales)
-            self.stats.staleness_sum += sum(used[before:])
-            del used[before:]
-            for sample, (sample_loss, replayed) in zip(passes, results, strict=True):
-                if sample.targets is not None:  # an anchor
-                    kl += sample_loss / len(anchors)
-                    self.stats.anchor_samples += 1
-                    self.stats.anchor_tokens += len(sample.response_ids)
-                    self.stats.anchor_replayed += replayed
-                else:
-                    loss += sample_loss / len(samples)
-                    tokens += len(sample.response_ids)
-                    self.stats.samples += 1
-                    self.stats.response_tokens += len(sample.response_ids)
-                    self.stats.replayed += replayed
-                    self.stats.recomputed += not replayed
+            results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
+            losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
+            kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
+            tokens += sum(len(s.response_ids) for s in samples)
             yield
             self.trainer.update()
             self.stats.steps += 1
-            losses.append(loss)
-            kls.append(kl)
             yield
         self.stats.last_loss = losses[-1]
         self.stats.last_anchor_kl = kls[-1] if anchors else None
@@ -252,6 +235,24 @@ class OnlineTrainer:
         }
         self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), batch[-1].seq, metrics)
         self.position = batch[-1].seq
+
+    def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
+        """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
+        while the batch goes on)."""
+        used = self.trainer.stats.staleness_used  # an entry per replayed sample, appended in order: trimmed here
+        first = len(used) - sum(replayed for _, replayed in results)
+        self.stats.staleness_sum += sum(used[first:])
+        del used[first:]
+        for sample, (_, replayed) in zip(group, results, strict=True):
+            if sample.targets is not None:  # an anchor
+                self.stats.anchor_samples += 1
+                self.stats.anchor_tokens += len(sample.response_ids)
+                self.stats.anchor_replayed += replayed
+            else:
+                self.stats.samples += 1
+                self.stats.response_tokens += len(sample.response_ids)
+                self.stats.replayed += replayed
+                self.stats.recomputed += not replayed
 
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),

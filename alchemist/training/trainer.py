@@ -11,7 +11,7 @@ while the current version <= v + max_staleness (0: exact replay only). Otherwise
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -39,7 +39,7 @@ class TrainerConfig:
     max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
     replay: bool = True  # False: always recompute (the separate-trainer baseline)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
-    group_size: int = 4  # samples trained in one pass (their rows through each layer together)
+    group_size: int = 8  # samples trained in one pass (their rows through each layer together)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -141,17 +141,24 @@ class Trainer:
         return results[0]
 
     def backward_batch_slices(
-        self, samples: list[Sample], loss_scales: list[float]
+        self,
+        samples: list[Sample],
+        loss_scales: list[float],
+        on_group: Callable[[list[Sample], list[tuple[float, bool]]], None] | None = None,
     ) -> Generator[None, None, list[tuple[float, bool]]]:
         """Accumulates the samples' scaled gradients, ``group_size`` samples at a time (``group_backward_slices``),
-        in slices (each group's, and a pause between groups); returns (loss, replayed) of each."""
+        in slices (each group's, and a pause between groups); returns (loss, replayed) of each. ``on_group`` is
+        told each group's samples and results as soon as the group is done."""
         results: list[tuple[float, bool]] = []
         size = self.config.group_size
         for start in range(0, len(samples), size):
             if start:
                 yield
             group = slice(start, start + size)
-            results += yield from self.group_backward_slices(samples[group], loss_scales[group])
+            group_results = yield from self.group_backward_slices(samples[group], loss_scales[group])
+            if on_group is not None:
+                on_group(samples[group], group_results)
+            results += group_results
         return results
 
     def group_backward_slices(
