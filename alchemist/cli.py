@@ -89,7 +89,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-max-staleness", type=int, default=4, help="adapter versions a record may lag")
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
     p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
-    p.add_argument("--train-group-size", type=int, default=8, help="samples trained together in one pass")
+    p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
     p.add_argument("--train-share", type=float, default=0.2, help="time share of training while serving is busy")
     p.add_argument(
         "--train-quantum-ms", type=float, default=0.0, help="training turns of up to this long while serving (ms)"
@@ -292,7 +292,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-budget-mb", type=int, default=4096, help="the server's activation store")
     p.add_argument("--train-batch-size", type=int, default=8)
     p.add_argument("--train-epochs", type=int, default=1)
-    p.add_argument("--train-group-size", type=int, default=8, help="samples trained together in one pass")
+    p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
     p.add_argument("--train-max-wait-s", type=float, default=5.0)
     p.add_argument("--train-share", type=float, default=0.2)
     p.add_argument("--train-quantum-ms", type=float, default=0.0)

@@ -147,9 +147,10 @@ class OnlineConfig:
     replay: bool = True  # False: recompute every prompt (the separate-trainer baseline, for benchmarks)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (from host memory or disk)
     # Samples (feedback and anchors) trained in one pass, their rows through each layer together: faster per
-    # sample (docs/profiles/group_step.py), and a slice (a layer of a replay walk) takes that much longer. 8: the
-    # online trainer trained 20-30% faster than with 4 in `bench online` (docs/benchmarks.md).
-    group_size: int = 8
+    # sample (docs/profiles/group_step.py), and a slice (a layer of a replay walk) takes that much longer. 8 trained
+    # 10-20% faster than 4 in `bench online`, but serving's TPOT met its goal in none of three runs with 8 (one of
+    # two with 4): serving has priority (docs/benchmarks.md, "Samples trained together").
+    group_size: int = 4
     lora_r: int = 16
     lora_alpha: float = 32.0
     keep_versions: int = 8  # adapter versions kept on disk (rollback targets)

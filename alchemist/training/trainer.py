@@ -39,7 +39,7 @@ class TrainerConfig:
     max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
     replay: bool = True  # False: always recompute (the separate-trainer baseline)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
-    group_size: int = 8  # samples trained in one pass (their rows through each layer together)
+    group_size: int = 4  # samples trained in one pass (their rows through each layer together)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
