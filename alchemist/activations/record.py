@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from alchemist.model.attention import AttentionMetadata, Segment, attend, lse_dtype
+from alchemist.model.attention import AttentionMetadata, Segment, attend
 from alchemist.model.config import ModelConfig
+from alchemist.model.flash import lse_dtype
 from alchemist.model.seam import COMPUTE, Ops
 
 RECORDED = ("h", "qkv", "attn", "lse", "o", "gate_up", "down")

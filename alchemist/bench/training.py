@@ -76,9 +76,9 @@ def record_prefill(
     num_prompt = len(prompt)
     meta = AttentionMetadata.single(num_prompt, need_lse=True)
     keep = dtype == model.dtype if keep_outputs is None else keep_outputs
-    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype=dtype, keep_outputs=keep)
+    builder = RecordBuilder(record_id, prompt.tolist(), version, model.config, dtype, prompt.device, keep_outputs=keep)
     ops = RecordingOps(meta, {0: builder})
-    model(prompt, torch.arange(num_prompt), meta, ops, adapter)
+    model(prompt, torch.arange(num_prompt, device=prompt.device), meta, ops, adapter)
     ops.finish()
     return builder.build()
 
@@ -86,15 +86,16 @@ def record_prefill(
 def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dtype, peft_model=None) -> dict:
     """The timed functions of one shape: training steps (forward + backward + AdamW) and prefills."""
     g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
-    prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g)
-    response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
-    adapter = LoraAdapter(model.config, seed=0)
+    prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g).to(model.device)
+    response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g).to(model.device)
+    adapter = LoraAdapter(model.config, device=model.device, seed=0)
 
     def prefill(record_as: torch.dtype | None = None):
         if record_as is not None:
             return record_prefill(model, adapter, prompt, record_as)
         with torch.inference_mode():
-            model(prompt, torch.arange(num_prompt), AttentionMetadata.single(num_prompt), COMPUTE, adapter)
+            positions = torch.arange(num_prompt, device=model.device)
+            model(prompt, positions, AttentionMetadata.single(num_prompt), COMPUTE, adapter)
 
     record = prefill(record_dtype)
     opt = torch.optim.AdamW(adapter.parameters(), lr=1e-5)

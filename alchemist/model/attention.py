@@ -19,6 +19,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from alchemist.model import flash
+from alchemist.model.flash import lse_dtype
+
 
 class KVCache:
     """Per-layer key/value storage: ``k[layer]`` and ``v[layer]`` are ``(num_slots, kv_heads, max_len, head_dim)``."""
@@ -122,11 +125,6 @@ class AttentionMetadata:
         return slots, positions, mask[:, None, None, :], lo, max_len
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The log-sum-exp is kept at the attention kernel's accumulation precision: fp32 (fp64 for fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def bottom_right_causal_mask(num_q: int, num_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive mask where query i (the i-th of the last ``num_q`` positions) sees keys ``0 .. num_k-num_q+i``.
 
@@ -149,13 +147,8 @@ def sdpa(
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, H, L, D) attention; grouped-query heads need no repeat. Returns the fp32 lse when asked."""
-    if need_lse and q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
-        )
-        return out, lse
     if need_lse:
-        raise NotImplementedError("log-sum-exp capture is implemented for CPU attention only")
+        return flash.forward(q, k, v, causal=is_causal, scale=scale, mask=mask)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

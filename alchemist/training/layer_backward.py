@@ -31,10 +31,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from alchemist.model import flash
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation, apply_rotary, rotate_into
-from alchemist.training.live_attention import flash_backward, heads_first, live_attention_backward, rows_first
+from alchemist.training.live_attention import heads_first, live_attention_backward, rows_first
 
 
 class PromptRecord:
@@ -199,9 +200,9 @@ def layer_backward(
         for i in range(len(pack)):
             d_out_i, q_i, out_i, lse_i = (pack.segment(t, i) for t in (d_out, q, out, lse))
             # The CPU flash kernels take and give (1, heads, rows, Dh) views of rows-first memory: no copies.
-            grads.append([rows_first(t) for t in flash_backward(
+            grads.append([rows_first(t) for t in flash.backward(
                 heads_first(d_out_i), heads_first(q_i), heads_first(live.k[i]), heads_first(live.v[i]),
-                heads_first(out_i), lse_i.t().unsqueeze(0), 0.0, True, scale=head_dim**-0.5,
+                heads_first(out_i), lse_i.t().unsqueeze(0), causal=True, scale=head_dim**-0.5,
             )])  # fmt: skip
         dq, dk, dv = (pack.join([g[j] for g in grads]) for j in range(3))
         rotate_into(dq, rot, dq_pre, inverse=True)

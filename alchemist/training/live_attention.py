@@ -1,4 +1,5 @@
-"""The live rows' attention in replay, forward and backward, on the CPU flash kernels that give and take the lse.
+"""The live rows' attention in replay, forward and backward, on the kernels that give and take the lse
+(``alchemist.model.flash``).
 
 The live rows (R queries) attend to two key sets: the prompt's n keys, all visible (no mask), and their own R keys,
 square and causal (the kernel skips the blocks above the diagonal). One masked call over the concatenation would
@@ -15,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from alchemist.model import flash
 
 
 def heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -30,9 +30,9 @@ def rows_first(t: torch.Tensor) -> torch.Tensor:
 def live_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q (R, H, Dh); k, v (n + R, Hkv, Dh): the prompt's n rows, then the live rows' -> out (R, H, Dh), lse (R, H)."""
     q4, scale = heads_first(q), q.shape[-1] ** -0.5
-    out, lse = _flash(q4, heads_first(k[n:]), heads_first(v[n:]), 0.0, True, scale=scale)
+    out, lse = flash.forward(q4, heads_first(k[n:]), heads_first(v[n:]), causal=True, scale=scale)
     if n:
-        out_p, lse_p = _flash(q4, heads_first(k[:n]), heads_first(v[:n]), 0.0, False, scale=scale)
+        out_p, lse_p = flash.forward(q4, heads_first(k[:n]), heads_first(v[:n]), causal=False, scale=scale)
         merged = torch.logaddexp(lse_p, lse)
         weight = lambda part_lse: (part_lse - merged).exp().unsqueeze(-1).to(q.dtype)  # noqa: E731
         out, lse = weight(lse_p) * out_p + weight(lse) * out, merged
@@ -53,9 +53,9 @@ def live_attention_backward(
     args = heads_first(d_out), heads_first(q)
     rest = heads_first(out), lse.t().unsqueeze(0)
     scale = q.shape[-1] ** -0.5
-    dq, dk_l, dv_l = flash_backward(*args, heads_first(k[n:]), heads_first(v[n:]), *rest, 0.0, True, scale=scale)
+    dq, dk_l, dv_l = flash.backward(*args, heads_first(k[n:]), heads_first(v[n:]), *rest, causal=True, scale=scale)
     if not n:
         return rows_first(dq), rows_first(dk_l), rows_first(dv_l)
-    dq_p, dk_p, dv_p = flash_backward(*args, heads_first(k[:n]), heads_first(v[:n]), *rest, 0.0, False, scale=scale)
+    dq_p, dk_p, dv_p = flash.backward(*args, heads_first(k[:n]), heads_first(v[:n]), *rest, causal=False, scale=scale)
     dk, dv = torch.cat([dk_p, dk_l], dim=2), torch.cat([dv_p, dv_l], dim=2)
     return rows_first(dq.add_(dq_p)), rows_first(dk), rows_first(dv)

@@ -18,8 +18,9 @@ Only one layer's prompt rows are worked on at a time: that is where the memory g
 each layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the
 trainer passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host
 memory or disk comes back a few layers ahead of the walk and leaves right after. The prompt's keys and values are
-kept from the forward for the walk, so the adapter must not change between the two. Replay runs on CPU: it uses
-the CPU flash kernels that return and consume the log-sum-exp (as recording does).
+kept from the forward for the walk, so the adapter must not change between the two. Attention runs on the kernels
+that give and take the log-sum-exp (``alchemist.model.flash``, as recording's): the CPU flash kernels on CPU,
+explicit scores elsewhere (CUDA: exact, not yet fast; docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.activations.record import record_widths
-from alchemist.model.attention import lse_dtype
+from alchemist.model.flash import lse_dtype
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation

@@ -9,7 +9,7 @@ import torch
 
 from alchemist.activations import disk
 from alchemist.activations.record import RECORDED
-from alchemist.model.attention import lse_dtype
+from alchemist.model.flash import lse_dtype
 
 WIDTHS = {"h": 5, "qkv": 9, "attn": 6, "lse": 3, "o": 5, "gate_up": 8, "down": 5}
 

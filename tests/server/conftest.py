@@ -73,11 +73,13 @@ def _launch(name: str, log_dir: Path) -> ServerProcess:
     return launch_server(name, log_dir, log_dir / f"{name}-data", SERVER_FLAGS[name])
 
 
-def launch_server(name: str, log_dir: Path, data_dir: Path, flags: list[str]) -> ServerProcess:
-    """Starts `alchemist serve` (fp32, CPU) on a free port; ``wait_ready`` waits for it."""
+def launch_server(
+    name: str, log_dir: Path, data_dir: Path, flags: list[str], device: str = "cpu", dtype: str = "float32"
+) -> ServerProcess:
+    """Starts `alchemist serve` (fp32, CPU unless told) on a free port; ``wait_ready`` waits for it."""
     port = _free_port()
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", dtype, "--device", device]
     cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--data-dir", str(data_dir), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     repo_root = Path(__file__).resolve().parents[2]

@@ -24,8 +24,10 @@ def record_batched_chunked(
     sequence (and decode rows of the others once their prompts are done), in a shared per-slot KV cache."""
     c = model.config
     seqs = [prompt, *others]
-    cache = KVCache(c.num_layers, len(seqs), max(len(s) for s in seqs) + 64, c.num_kv_heads, c.head_dim, model.dtype)
-    builder = RecordBuilder("r", prompt.tolist(), 0, c, dtype=dtype)
+    device = model.device
+    cache = KVCache(c.num_layers, len(seqs), max(len(s) for s in seqs) + 64, c.num_kv_heads, c.head_dim, model.dtype,
+                    device)  # fmt: skip
+    builder = RecordBuilder("r", prompt.tolist(), 0, c, dtype, device)
     done = [0] * len(seqs)
     while done[0] < len(prompt):
         segs, ids = [], []
@@ -36,10 +38,10 @@ def record_batched_chunked(
                 ids.append(seq[done[slot] : done[slot] + n])
             else:  # a decode row (a random token): rows of other requests must not leak into the record
                 segs.append(Segment(slot=slot, start=done[slot], length=1))
-                ids.append(torch.randint(0, c.vocab_size, (1,)))
+                ids.append(torch.randint(0, c.vocab_size, (1,), device=device))
         meta = AttentionMetadata(segs, cache=cache, need_lse=True)
         ops = RecordingOps(meta, {0: builder})
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
+        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segs])
         model(torch.cat(ids), positions, meta, ops=ops, adapter=adapter)
         ops.finish()
         for seg in segs:
