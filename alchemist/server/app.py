@@ -179,11 +179,14 @@ def app_for_engine(
     metrics = ServerMetrics(engine.stats)
     feedback_log = FeedbackLog(server_config.feedback_db_path)
     feedback_log.add_listener(metrics.observe_feedback)
-    trainer = checkpoints = None
+    trainer = None
+    checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
     if online_config.enabled:
-        checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
         trainer = OnlineTrainer(engine, feedback_log, checkpoints, online_config)  # resumes from its checkpoint
         metrics.watch_training(trainer)
+    elif (latest := checkpoints.latest()) is not None:  # training off: serve the version training left
+        adapter, _, _ = checkpoints.load(latest.version, engine.model.config, engine.model.device)
+        engine.set_adapter(adapter, latest.version)
     async_engine = AsyncEngine(
         engine,
         on_outputs=metrics.observe,

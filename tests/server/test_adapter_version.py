@@ -1,13 +1,15 @@
-"""A served response's registry entry carries the adapter version its prefill used (what feedback trains on)."""
+"""A served response's registry entry carries the adapter version its prefill used (what feedback trains on); with
+training off, the version that training left serves."""
 
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from alchemist.config import EngineConfig, ServerConfig
+from alchemist.config import EngineConfig, OnlineConfig, ServerConfig
 from alchemist.engine import LLMEngine
 from alchemist.model.lora import LoraAdapter
 from alchemist.server.app import app_for_engine
+from alchemist.training.checkpoint import AdapterCheckpoints
 
 
 def test_registry_entry_carries_the_served_adapter_version(smollm2, tmp_path):
@@ -20,3 +22,21 @@ def test_registry_entry_carries_the_served_adapter_version(smollm2, tmp_path):
             json={"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
         ).json()
     assert app.state.registry.get(body["id"]).adapter_version == 7
+
+
+def test_without_training_the_last_checkpointed_version_serves(smollm2, tmp_path):
+    """A server started with training off (--no-train) on a data dir that training left serves that version."""
+    adapter = LoraAdapter(smollm2.model.config, seed=0)
+    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=4)
+    for version in (2, 5):
+        adapter.version = version
+        checkpoints.save(version, adapter, {"state": {}, "param_groups": []}, version * 10, {})
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
+    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)), online_config=OnlineConfig(enabled=False))
+    assert engine.adapter_version == 5
+    with TestClient(app) as http:
+        listing = http.get("/v1/adapters").json()
+        rollback = http.post("/v1/adapters/rollback", json={"version": 2})
+    assert listing["serving_version"] == 5 and not listing["training"]
+    assert [v["version"] for v in listing["data"]] == [5, 2] and listing["data"][0]["serving"]
+    assert rollback.status_code == 400 and "--no-train" in rollback.json()["error"]["message"]
