@@ -22,8 +22,6 @@ from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
 
-# What the walk reads of a layer's record (``down`` is never needed: the next layer's input is recorded).
-WALK_NAMES = ("h", "qkv", "attn", "lse", "o", "gate_up")
 SMOOTHING = 0.3  # weight of a new observation in each running estimate
 
 
@@ -129,7 +127,7 @@ def recompute_layer(
 ) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s record for the prompt rows whose inputs are ``h`` (n, d), at positions 0..n-1 (``rot``),
     computed as the serving prefill computes it (same seam, same ops) with the live adapter: what the walk would
-    have read (``WALK_NAMES``). The down projection, which the walk never reads, is skipped."""
+    have read: every ``RECORDED`` tensor (the down projection, which the walk never reads, is not computed)."""
     ops = _CaptureOps()
     meta = AttentionMetadata.single(h.shape[0], need_lse=True)
     q, k, v = model.attention_inputs(layer, h, rot, ops, adapter)

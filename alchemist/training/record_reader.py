@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from alchemist.activations.record import Record, record_widths
+from alchemist.activations.record import RECORDED, Record, record_widths
 from alchemist.activations.store import ActivationStore
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.hedge import WALK_NAMES, CostModel, Plan, plan, recompute_layer
+from alchemist.training.hedge import CostModel, Plan, plan, recompute_layer
 from alchemist.training.layer_window import LayerWindow
 
 FORWARD_NAMES = ("h", "qkv")  # what phase 1 reads: the prompt's keys and values are rebuilt from them
@@ -49,7 +49,7 @@ class RecordReader:
         self.tier = store.tier_of(record.record_id) or "device"
         widths, itemsize = record_widths(model.config), record.dtype.itemsize
         row_bytes = {name: widths[name] * (4 if name == "lse" else itemsize) for name in widths}
-        layer_bytes = num_rows * sum(row_bytes[name] for name in WALK_NAMES)
+        layer_bytes = num_rows * sum(row_bytes[name] for name in RECORDED)
         input_bytes = num_rows * row_bytes["h"]
         num_layers = model.config.num_layers
         self.plan: Plan = plan(num_layers, num_rows, self.tier, layer_bytes, input_bytes, costs, self.walk_rows)
@@ -94,7 +94,7 @@ class RecordReader:
 
     def _read(self, layer: int) -> dict[str, torch.Tensor]:
         """On the window's thread: what the walk needs of the layer."""
-        return self._timed_read(layer, ("h",) if self.plan.recompute[layer] else WALK_NAMES)
+        return self._timed_read(layer, ("h",) if self.plan.recompute[layer] else RECORDED)
 
     def _timed_read(self, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Reads ``names`` of the layer, timed into the tier's read bandwidth."""

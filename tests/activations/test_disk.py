@@ -11,7 +11,7 @@ from alchemist.activations import disk
 from alchemist.activations.record import RECORDED
 from alchemist.model.flash import lse_dtype
 
-WIDTHS = {"h": 5, "qkv": 9, "attn": 6, "lse": 3, "o": 5, "gate_up": 8, "down": 5}
+WIDTHS = {"h": 5, "qkv": 9, "attn": 6, "lse": 3, "o": 5, "gate_up": 8}
 
 
 def make_layers(dtype: torch.dtype, num_tokens: int = 4, num_layers: int = 3, seed: int = 0):
@@ -108,9 +108,9 @@ def test_a_partial_read_checks_what_it_reads(tmp_path):
     assert list(got) == ["h", "lse"] and all(same_bits(got[n], layers[1][n]) for n in got)
     damaged = bytearray(path.read_bytes())
     header_len = int.from_bytes(damaged[:8], "little")  # safetensors: u64 header size, JSON header, data
-    start, _ = json.loads(damaged[8 : 8 + header_len])["1.down"]["data_offsets"]
-    damaged[8 + header_len + start] ^= 0x01  # a byte of layer 1's "down"
+    start, _ = json.loads(damaged[8 : 8 + header_len])["1.gate_up"]["data_offsets"]
+    damaged[8 + header_len + start] ^= 0x01  # a byte of layer 1's "gate_up"
     path.write_bytes(damaged)
     assert same_bits(disk.read_layer(path, 1, names=("h",))["h"], layers[1]["h"])
     with pytest.raises(disk.CorruptFileError):
-        disk.read_layer(path, 1, names=("down",))
+        disk.read_layer(path, 1, names=("gate_up",))
