@@ -48,9 +48,10 @@ print(json.dumps({"setting": setting, **{n + "_s": round(v, 4) for n, v in med.i
                   "rec_copy_cpu_share_pct": round(100 * copy_share, 1)}))
 """
 
-num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
-dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
-for setting in ("default", "kept"):
-    done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
-                          capture_output=True, text=True, check=True)
-    print(json.loads(done.stdout.strip().splitlines()[-1]))
+if __name__ == "__main__":
+    num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
+    for setting in ("default", "kept"):
+        done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
+                              capture_output=True, text=True, check=True)
+        print(json.loads(done.stdout.strip().splitlines()[-1]))
