@@ -1,0 +1,96 @@
+"""Profile (not a benchmark): the most replay can gain over recompute on `bench online`'s workload, and what it gets.
+
+    python docs/profiles/online_bound.py [repeats] [group size]     # defaults: 3, 4
+
+The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
+conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
+as the server trains them (SmolLM2 in bf16 as `--dtype auto` picks here, bf16 records, LoRA r=16, groups of
+``group size``), in process, without serving, anchors, updates or publishes. Times, interleaved over ``repeats``
+(medians): ``recompute`` (all samples' backward with no store), ``replay`` (with every prompt's record in memory),
+and the training forward in the same groups with and without the prompt rows (each sample from its prompt's last
+token on): their difference is the share of the recompute step that replay can skip. As `bench train` defines it
+(with a prefill there), bound = recompute / (recompute - that share): replay / recompute throughput can reach it
+only if everything replay does besides skipping the prompt's forward costs nothing.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from alchemist.activations.store import ActivationStore
+from alchemist.bench.online import build_workload
+from alchemist.bench.training import record_prefill
+from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.model.loader import load_model
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.recompute import responses_hidden
+from alchemist.training.replay import run_to_end
+from alchemist.training.trainer import Sample, Trainer, TrainerConfig
+
+repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+keep_freed_memory()  # as the CLI does
+loaded = load_model(None, dtype="bfloat16")
+model, tok = loaded.model, loaded.tokenizer
+defaults = argparse.Namespace(num_requests=48, seed=0, mode="multi_turn", max_prompt_tokens=768, max_tokens=128,
+                              request_rate=0.4, feedback_fraction=0.5, feedback="correction")  # fmt: skip
+work = build_workload(defaults, tok)
+samples = [
+    Sample(tok.apply_chat_template(chat), tok.encode_reply(fb["correction"]), record_id=f"r{i}")
+    for i, (chat, fb) in enumerate(zip(work.chats, work.feedback, strict=True))
+    if fb is not None
+]
+prompt_tokens = [len(s.prompt_ids) for s in samples]
+response_tokens = [len(s.response_ids) for s in samples]
+print(f"{len(samples)} samples: prompt tokens mean {statistics.mean(prompt_tokens):.0f} (median "
+      f"{statistics.median(prompt_tokens):.0f}, max {max(prompt_tokens)}), response tokens mean "
+      f"{statistics.mean(response_tokens):.0f}", flush=True)  # fmt: skip
+adapter = LoraAdapter(model.config, seed=0)
+store = ActivationStore(8 << 30)
+for s in samples:
+    store.put(record_prefill(model, adapter, torch.tensor(s.prompt_ids), torch.bfloat16, s.record_id))
+scales = [1.0 / len(samples)] * len(samples)
+
+
+def train(with_store: bool) -> None:
+    trainer = Trainer(model, adapter, store if with_store else None, TrainerConfig(group_size=group_size))
+    results = run_to_end(trainer.backward_batch_slices(samples, scales))
+    assert all(replayed == with_store for _, replayed in results)
+    adapter.zero_grad(set_to_none=True)
+
+
+@torch.inference_mode()
+def forward(prompt_rows: bool) -> None:
+    """The training forward's, in the groups the trainer makes: each sample's P + R - 1 rows, or (without the
+    prompt rows) the R rows from the prompt's last token on."""
+    for start in range(0, len(samples), group_size):
+        group = [(torch.tensor(s.prompt_ids if prompt_rows else s.prompt_ids[-1:]), torch.tensor(s.response_ids))
+                 for s in samples[start : start + group_size]]  # fmt: skip
+        responses_hidden(model, adapter, group)
+
+
+runs = {
+    "recompute": lambda: train(False),
+    "replay": lambda: train(True),
+    "forward": lambda: forward(True),
+    "forward_no_prompt": lambda: forward(False),
+}
+times: dict[str, list[float]] = {name: [] for name in runs}
+for fn in runs.values():
+    fn()  # warm-up
+for _ in range(repeats):
+    for name, fn in runs.items():
+        t0 = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - t0)
+t = {name: statistics.median(v) for name, v in times.items()}
+prompt_share = t["forward"] - t["forward_no_prompt"]
+bound = t["recompute"] / (t["recompute"] - prompt_share)
+speedup = t["recompute"] / t["replay"]
+print(f"group size {group_size}, medians of {repeats}: recompute {t['recompute']:.2f} s, replay {t['replay']:.2f} s")
+print(f"forward {t['forward']:.2f} s, without the prompt rows {t['forward_no_prompt']:.2f} s: prompt share "
+      f"{prompt_share:.2f} s")  # fmt: skip
+print(f"replay / recompute {speedup:.3f}, bound {bound:.3f} ({100 * speedup / bound:.1f}% of it)")
