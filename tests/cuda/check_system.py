@@ -43,7 +43,7 @@ from tests.engine.helpers import char_tokenizer, random_adapter, random_prompts,
 from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
 from tests.training.recording import record_batched_chunked
 from tests.training.test_online import drain, serve_and_log
-from tests.training.test_replay import lora_with_nonzero_b, max_rel_l2, recompute_grads, replay_grads
+from tests.training.test_replay import flat, lora_with_nonzero_b, max_rel_l2, recompute_grads, replay_grads
 
 CHECKS: list[Callable[[Context], str]] = []
 
@@ -85,6 +85,11 @@ def _on(adapter, device):
     moved = copy.deepcopy(adapter).to(device)
     moved.version = adapter.version
     return moved
+
+
+def _whole_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Relative L2 error of the whole gradient (all tensors as one vector)."""
+    return ((flat(got) - flat(want)).norm() / flat(want).norm()).item()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -152,8 +157,7 @@ def replay_equals_recompute_smollm2_shaped(ctx: Context) -> str:
     err = max_rel_l2(want, got)
     assert err <= 1e-5, err
     _, bf16 = replay_grads(model, adapter, record_prefill(model, adapter, prompt, torch.bfloat16), prompt, response)
-    flat = lambda g: torch.cat([t.flatten().double() for t in g.values()])  # noqa: E731
-    bf16_err = ((flat(bf16) - flat(want)).norm() / flat(want).norm()).item()
+    bf16_err = _whole_rel(bf16, want)
     assert bf16_err <= 0.05, bf16_err
     return f"P=300 R=64: fp32 records {err:.1e} (max over tensors), bf16 records {bf16_err:.2%} (whole gradient)"
 
@@ -297,8 +301,7 @@ def engine_bf16_records_and_merge(ctx: Context) -> str:
     assert replayed and loss == loss
     _, want = recompute_grads(model, _on(adapter, ctx.device), prompt, response)
     got = {n: p.grad for n, p in trainer.adapter.named_parameters()}
-    flat = lambda g: torch.cat([t.flatten().double() for t in g.values()])  # noqa: E731
-    err = ((flat(got) - flat(want)).norm() / flat(want).norm()).item()
+    err = _whole_rel(got, want)
     assert err <= 0.1, err
     return f"3 requests in {elapsed:.2f}s; bf16 replay vs bf16 recompute gradient relative L2 {err:.2%}"
 
