@@ -221,10 +221,10 @@ def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
         feedback(server, response_id=rid, correction=fix)["id"] for (rid, _), fix in zip(answers, fixes, strict=True)
     ]
     seqs = sorted(int(a.removeprefix("fb-")) for a in acked)
-    # Kill it in the middle: after the first optimizer step, before the last batch is checkpointed.
+    # Kill it in the middle: the first batch checkpointed (3 epochs: 3 optimizer steps), the second one in training.
     deadline = time.monotonic() + 300
-    while server.metrics().get("alchemist:training_steps_total", 0) < 1:
-        assert time.monotonic() < deadline, "training never started"
+    while server.metrics().get("alchemist:training_steps_total", 0) < 4:
+        assert time.monotonic() < deadline, "training never got to the second batch"
         time.sleep(0.05)
     assert not any(v["log_position"] >= seqs[-1] for v in adapters(server)["data"]), "trained it all: too late"
     server.process.send_signal(signal.SIGKILL)
@@ -232,10 +232,11 @@ def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
 
     checkpoints = AdapterCheckpoints(data / "adapters", keep=100)
     latest = checkpoints.latest()
+    assert latest is not None and latest.log_position < seqs[-1]
     # Restarted without training: it serves exactly the last checkpointed version.
     server = launch_server("crash-restart", tmp_path, data, [*flags, "--no-train"])
     wait_ready(server)
-    assert adapters(server)["serving_version"] == (latest.version if latest else 0)
+    assert adapters(server)["serving_version"] == latest.version
     stop(server)
     # Restarted with training: it trains the rest, and nothing twice.
     server = launch_server("crash-resume", tmp_path, data, flags)
