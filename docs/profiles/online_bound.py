@@ -1,6 +1,6 @@
 """Profile (not a benchmark): the most replay can gain over recompute on `bench online`'s workload, and what it gets.
 
-    python docs/profiles/online_bound.py [repeats] [group size]     # defaults: 3, 4
+    python docs/profiles/online_bound.py [repeats] [group size] [ops]    # defaults: 3, 4; "ops": also profile
 
 The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
 conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from alchemist.activations.store import ActivationStore
 from alchemist.bench.online import build_workload
@@ -32,6 +33,7 @@ from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+ops = len(sys.argv) > 3 and sys.argv[3] == "ops"
 keep_freed_memory()  # as the CLI does
 loaded = load_model(None, dtype="bfloat16")
 model, tok = loaded.model, loaded.tokenizer
@@ -94,3 +96,14 @@ print(f"group size {group_size}, medians of {repeats}: recompute {t['recompute']
 print(f"forward {t['forward']:.2f} s, without the prompt rows {t['forward_no_prompt']:.2f} s: prompt share "
       f"{prompt_share:.2f} s")  # fmt: skip
 print(f"replay / recompute {speedup:.3f}, bound {bound:.3f} ({100 * speedup / bound:.1f}% of it)")
+if ops:
+    self_s = {}
+    for name in ("recompute", "replay"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runs[name]()
+        self_s[name] = {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
+    print("self CPU s (calls): " + ", ".join(f"{n} {sum(v[0] for v in d.values()):.2f}" for n, d in self_s.items()))
+    top = sorted(set().union(*self_s.values()), key=lambda k: -max(d.get(k, (0, 0))[0] for d in self_s.values()))
+    for key in top[:12]:
+        cells = "   ".join(f"{n} {d.get(key, (0, 0))[0]:6.2f} ({d.get(key, (0, 0))[1]:6})" for n, d in self_s.items())
+        print(f"{key[:58]:58} {cells}")

@@ -165,7 +165,7 @@ def replay_equals_recompute_smollm2_shaped(ctx: Context) -> str:
 @check
 def groups_equal_one_at_a_time(ctx: Context) -> str:
     model = ctx.model(ctx.tiny["llama-gqa-untied"])
-    adapter = _on(lora_with_nonzero_b(build_model(ctx.tiny["llama-gqa-untied"], torch.float32)), ctx.device)
+    adapter = _on(lora_with_nonzero_b(model), ctx.device)  # built on the CPU (its seed), moved
     store = ActivationStore(1 << 30)
     samples = []
     for i, (p, r) in enumerate(((40, 9), (1, 12), (25, 1), (33, 7))):
@@ -187,7 +187,7 @@ def groups_equal_one_at_a_time(ctx: Context) -> str:
 @check
 def tiered_records_replay_bit_exactly(ctx: Context) -> str:
     model = ctx.model(ctx.tiny["llama-gqa-untied"])
-    adapter = _on(lora_with_nonzero_b(build_model(ctx.tiny["llama-gqa-untied"], torch.float32)), ctx.device)
+    adapter = _on(lora_with_nonzero_b(model), ctx.device)  # built on the CPU (its seed), moved
     prompt, response = ctx.ids(40, 30), ctx.ids(10, 31)
     sample = Sample(prompt.tolist(), response.tolist(), record_id="resp")
     lines = []
@@ -262,7 +262,7 @@ def engine_records_replay_and_merge(ctx: Context) -> str:
         _, got = replay_grads(model, adapter, record, torch.tensor(p, device=ctx.device), response)
         assert max_rel_l2(want, got) <= 1e-5, i
     # A served adapter, merged one layer per step, gives the tokens of the separate delta.
-    served = random_adapter(build_model(hf_dir, torch.float32), 11)
+    served = random_adapter(model, 11)  # on the CPU; set_adapter moves it
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     outputs = []
     for merge in (True, False):
