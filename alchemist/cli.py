@@ -90,6 +90,9 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
     p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
     p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
+    p.add_argument(
+        "--train-group-max-tokens", type=int, default=2048, help="rows of a pass at most (bounds a slice); 0: no limit"
+    )
     p.add_argument("--train-share", type=float, default=0.2, help="time share of training while serving is busy")
     p.add_argument(
         "--train-quantum-ms", type=float, default=0.0, help="training turns of up to this long while serving (ms)"
@@ -118,6 +121,7 @@ def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazil
         replay=not args.train_no_replay,
         prefetch_depth=args.train_prefetch_depth,
         group_size=args.train_group_size,
+        group_max_tokens=args.train_group_max_tokens,
         train_share=args.train_share,
         train_quantum_s=args.train_quantum_ms / 1000,
         anchor_weight=args.train_anchor_weight,
@@ -293,6 +297,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-batch-size", type=int, default=8)
     p.add_argument("--train-epochs", type=int, default=1)
     p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
+    p.add_argument("--train-group-max-tokens", type=int, default=2048, help="rows of a pass at most; 0: no limit")
     p.add_argument("--train-max-wait-s", type=float, default=5.0)
     p.add_argument("--train-share", type=float, default=0.2)
     p.add_argument("--train-quantum-ms", type=float, default=0.0)

@@ -151,6 +151,10 @@ class OnlineConfig:
     # 10-20% faster than 4 in `bench online`, but serving's TPOT met its goal in none of three runs with 8 (one of
     # two with 4): serving has priority (docs/benchmarks.md, "Samples trained together").
     group_size: int = 4
+    # ... and at most this many rows (prompt + response tokens) in a group, unless one sample alone has more: a
+    # slice is a layer of a group's pass, so this bounds how long serving waits for one (docs/benchmarks.md,
+    # "Slices"). 0: no limit.
+    group_max_tokens: int = 2048
     lora_r: int = 16
     lora_alpha: float = 32.0
     keep_versions: int = 8  # adapter versions kept on disk (rollback targets)
@@ -174,6 +178,12 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
         _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_max_tokens", "anchor_pool_size")
+        if (
+            not isinstance(self.group_max_tokens, int)
+            or isinstance(self.group_max_tokens, bool)
+            or self.group_max_tokens < 0
+        ):
+            raise ValueError(f"group_max_tokens must be an integer >= 0 (got {self.group_max_tokens!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
         if not self.max_wait_s >= 0:

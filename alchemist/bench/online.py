@@ -119,6 +119,7 @@ def start_server(args: argparse.Namespace, run: str, workdir: Path) -> Server:
     cmd += ["--train-batch-size", str(args.train_batch_size), "--train-epochs", str(args.train_epochs)]
     cmd += ["--train-max-wait-s", str(args.train_max_wait_s), "--train-share", str(args.train_share)]
     cmd += ["--train-quantum-ms", str(args.train_quantum_ms), "--train-group-size", str(args.train_group_size)]
+    cmd += ["--train-group-max-tokens", str(args.train_group_max_tokens)]
     cmd += [*(["--model", args.model] if args.model else []), *RUNS[run]]
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
@@ -332,9 +333,9 @@ def main(args: argparse.Namespace) -> int:
         f"prompt tokens mean {np.mean(work.prompt_tokens):.0f} max {max(work.prompt_tokens)}, output tokens mean "
         f"{np.mean(work.max_tokens):.0f} (cap {args.max_tokens}, EOS ignored), {args.feedback} feedback on "
         f"{sum(f is not None for f in work.feedback)}; train batch {args.train_batch_size}, epochs "
-        f"{args.train_epochs}, group {args.train_group_size}, share {args.train_share}, quantum "
-        f"{args.train_quantum_ms} ms, max wait {args.train_max_wait_s} s; dtype {args.dtype}; "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
+        f"{args.train_epochs}, group {args.train_group_size} ({args.train_group_max_tokens} tokens), share "
+        f"{args.train_share}, quantum {args.train_quantum_ms} ms, max wait {args.train_max_wait_s} s; dtype "
+        f"{args.dtype}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
         f"{os.getloadavg()[0]:.1f}"
     )
     print(note, file=sys.stderr)

@@ -10,6 +10,8 @@ Tokens are flattened: hidden states are ``(T, hidden)`` for T tokens of possibly
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -141,11 +143,23 @@ class Llama(nn.Module):
         adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Flattened tokens (T,) at their absolute positions (T,) -> final hidden states (T, d), pre-norm."""
+        return deque(self.forward_layers(input_ids, positions, meta, ops, adapter), maxlen=1).pop()
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: Ops = COMPUTE,
+        adapter: Adapter | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """``forward`` one layer at a time: yields the hidden states after each layer (the last: the final ones),
+        so that a caller can pause between layers (the online trainer's slices)."""
         h = F.embedding(input_ids, self.embed)
         rot = self.rope(positions, h.dtype, meta.max_position)
         for layer in range(self.config.num_layers):
             h = self.layer_forward(layer, h, rot, meta, ops, adapter)
-        return h
+            yield h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows given (only those whose next token is wanted)."""

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from alchemist.model.llama import Llama
 from alchemist.training.losses import Targets, log_probs
-from alchemist.training.recompute import responses_hidden
+from alchemist.training.recompute import responses_hidden_slices
+from alchemist.training.slices import run_to_end
 
 
 def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int) -> Targets:
@@ -41,12 +42,23 @@ def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[in
     return references(model, [(prompt_ids, response_ids)], top_k)[0]
 
 
-@torch.no_grad()
 def references(model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int) -> list[Targets]:
     """``reference_targets`` of several (prompt ids, response ids), from one forward over all of them."""
+    return run_to_end(references_slices(model, samples, top_k))
+
+
+@torch.no_grad()
+def references_slices(
+    model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int
+) -> Generator[None, None, list[Targets]]:
+    """``references`` in slices: each layer of the forward, then each anchor's top-k over the vocabulary. The
+    online trainer runs it between serving steps, and the whole forward of a group of four long anchors was a
+    3.7-6.7 s wait for serving (``docs/profiles/online_slices.py``)."""
     pairs = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device)) for p, r in samples]
     targets = []
-    for hidden in responses_hidden(model, None, pairs):
+    for hidden in (yield from responses_hidden_slices(model, None, pairs)):
+        if targets:
+            yield
         logprobs = log_probs(model.logits(hidden))
         top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
         targets.append(Targets(top.indices, top.values))

@@ -17,11 +17,12 @@ Exactly once: the position in the log moves only with a checkpoint. A crash befo
 and the restarted trainer (``restore``) reads the same entries again from the checkpointed position; a crash after
 it never sees them again. Acknowledged feedback is in the log before the server answers, so none is lost.
 
-Slices: all work is done in small slices (a layer of a replay walk or a recomputed group of samples trained
-together, an update, a checkpoint) from the thread that steps the engine, between its steps. Training never runs
-concurrently with serving: on this CPU that slowed decode steps 3.5-4x (design note, section 12). ``train_share``
-bounds training's share of time while requests are in flight (the step loop's accounting); with none in flight,
-training takes what is free.
+Slices: all work is done in small slices (a layer of a replay walk or of the anchors' reference forward, a
+sample's loss, a recomputed group of samples trained together, an update, a checkpoint) from the thread that
+steps the engine, between its steps: serving waits for the slice in progress, so none may be long (groups are
+capped in rows: ``group_max_tokens``). Training never runs concurrently with serving: on this CPU that slowed
+decode steps 3.5-4x (design note, section 12). ``train_share`` bounds training's share of time while requests
+are in flight (the step loop's accounting); with none in flight, training takes what is free.
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
 meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
@@ -40,7 +41,7 @@ from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
-from alchemist.training.anchors import AnchorPool, references
+from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -89,6 +90,7 @@ class OnlineTrainer:
                 replay=config.replay,
                 prefetch_depth=config.prefetch_depth,
                 group_size=config.group_size,
+                group_max_tokens=config.group_max_tokens,
             ),
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
@@ -233,7 +235,8 @@ class OnlineTrainer:
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
         }
-        self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), batch[-1].seq, metrics)
+        state = self.trainer.optimizer.state_dict()
+        yield from self.checkpoints.save_slices(self.version, self.adapter, state, batch[-1].seq, metrics)
         self.position = batch[-1].seq
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
@@ -257,7 +260,7 @@ class OnlineTrainer:
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
         each with the base model's top-k distribution there (computed once per anchor, ``group_size`` anchors per
-        forward, one slice each)."""
+        forward, a slice per layer)."""
         if not self.config.anchor_weight:
             return []
         c = self.config
@@ -266,7 +269,8 @@ class OnlineTrainer:
         new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
         for start in range(0, len(new), c.group_size):
             group = new[start : start + c.group_size]
-            targets = references(self.engine.model, [(a.prompt_ids, r) for a, r in group], c.anchor_top_k)
+            pairs = [(a.prompt_ids, r) for a, r in group]
+            targets = yield from references_slices(self.engine.model, pairs, c.anchor_top_k)
             for (anchor, _), anchor_targets in zip(group, targets, strict=True):
                 anchor.targets = anchor_targets
             yield

@@ -5,7 +5,7 @@ It is the reference the replay path is tested against, and the fallback when a s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -27,14 +27,38 @@ def responses_hidden(
 ) -> list[torch.Tensor]:
     """``response_hidden`` of several (prompt ids, response ids), from one forward over all of them laid end to
     end, each attending to its own tokens."""
+    ids, positions, meta = _laid_end_to_end(samples)
+    return _response_rows(model(ids, positions, meta, adapter=adapter), samples)
+
+
+def responses_hidden_slices(
+    model: Llama, adapter: Adapter | None, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> Generator[None, None, list[torch.Tensor]]:
+    """``responses_hidden`` in slices of one layer (yields after each)."""
+    ids, positions, meta = _laid_end_to_end(samples)
+    layers = model.forward_layers(ids, positions, meta, adapter=adapter)
+    for _ in range(model.config.num_layers):
+        hidden = next(layers)
+        yield
+    return _response_rows(hidden, samples)
+
+
+def _laid_end_to_end(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The forward's input: each sample's prompt and response but its last token, one after the other."""
     seqs = [torch.cat([prompt, response[:-1]]) for prompt, response in samples]
     meta = AttentionMetadata([Segment(slot=i, start=0, length=len(seq)) for i, seq in enumerate(seqs)])
     positions = torch.cat([torch.arange(len(seq), device=seq.device) for seq in seqs])
-    hidden = model(torch.cat(seqs), positions, meta, adapter=adapter)
+    return torch.cat(seqs), positions, meta
+
+
+def _response_rows(hidden: torch.Tensor, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each sample's rows P-1..P+R-2 of the forward's output."""
     rows, start = [], 0
-    for (prompt, _), seq in zip(samples, seqs, strict=True):
-        rows.append(hidden[start + len(prompt) - 1 : start + len(seq)])
-        start += len(seq)
+    for prompt, response in samples:
+        rows.append(hidden[start + len(prompt) - 1 : start + len(prompt) + len(response) - 1])
+        start += len(prompt) + len(response) - 1
     return rows
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +40,8 @@ from alchemist.model.seam import COMPUTE
 from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward, prompt_kv
 from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss
+from alchemist.training.slices import run_to_end
 
-T = TypeVar("T")
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
 
 
@@ -78,21 +77,12 @@ def replay_backward(
     return run_to_end(replay_backward_slices(model, adapter, [sample]))[0]
 
 
-def run_to_end(slices: Generator[None, None, T]) -> T:
-    """Runs a sliced computation without pausing; returns its result."""
-    while True:
-        try:
-            next(slices)
-        except StopIteration as done:
-            return done.value
-
-
 def replay_backward_slices(
     model: Llama, adapter: LoraAdapter, samples: Sequence[ReplaySample]
 ) -> Generator[None, None, list[float]]:
     """Replays several samples together, accumulating each one's ``loss_scale * dloss/dadapter``, in slices:
-    yields after each layer of the live forward (the last one with the loss), after the loss's backward and after
-    each layer of the walk (the points where serving may preempt training); returns the samples' losses.
+    yields after each layer of the live forward, after each sample's loss and its backward, and after each layer
+    of the walk (the points where serving may preempt training); returns the samples' losses.
 
     The samples' rows go through every layer together (``Packing``: one matmul per weight for all of them),
     attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding."""
@@ -106,11 +96,15 @@ def replay_backward_slices(
     # 1. The live forward, keeping each layer's values for the walk.
     lives, h = yield from live_forward(model, adapter, forward, live_ids, pack, rot)
     h_top = h.requires_grad_()
-    losses = [response_loss(model, pack.live_rows(h_top, i), s.response_ids, s.targets)
-              for i, s in enumerate(samples)]  # fmt: skip
-    yield
-    # 2. The loss's gradient at the live rows' final hidden states.
-    sum(loss * s.loss_scale for loss, s in zip(losses, samples, strict=True)).backward()
+    # 2. Each sample's loss and its gradient at its live rows' final hidden states, a sample per slice: the LM head
+    # over the live rows (and its backward) is the largest piece of work between two layers; all samples' at once
+    # took up to 0.9 s (docs/profiles/online_slices.py). The rows are disjoint: the gradients are the same.
+    losses = []
+    for i, s in enumerate(samples):
+        yield
+        loss = response_loss(model, pack.live_rows(h_top, i), s.response_ids, s.targets)
+        (loss * s.loss_scale).backward()
+        losses.append(loss.item())
     yield
 
     # 3. Walk the layers from the top down, prompt and live rows together.
@@ -121,7 +115,7 @@ def replay_backward_slices(
         dh = layer_backward(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
         if layer:
             yield
-    return [loss.item() for loss in losses]
+    return losses
 
 
 @torch.no_grad()  # (on a generator: grad mode is off only while its body runs, not while it is paused)

@@ -2,7 +2,8 @@
 
 ``Trainer.step`` reads as the story: fetch each sample's record -> replay it (or recompute the prompt) ->
 loss -> backward (accumulated over the batch) -> clip -> update -> bump the adapter version. Samples go through
-the model ``group_size`` at a time: a group's replayable samples in one walk, its others in one recompute forward.
+the model in groups (``group_size`` of them, ``group_max_tokens`` rows at most): a group's replayable samples
+in one walk, its others in one recompute forward.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
 while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
@@ -25,7 +26,8 @@ from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_losses
 from alchemist.training.record_reader import RecordReader
-from alchemist.training.replay import ReplaySample, replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 
 T = TypeVar("T")
 
@@ -40,6 +42,9 @@ class TrainerConfig:
     replay: bool = True  # False: always recompute (the separate-trainer baseline)
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
     group_size: int = 4  # samples trained in one pass (their rows through each layer together)
+    # ... and at most this many rows (P + R - 1 per sample) in a pass, unless one sample alone has more: a slice (a
+    # layer of the pass) takes time in proportion, and serving waits for the slice in progress. 0: no limit.
+    group_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -52,6 +57,8 @@ class TrainerConfig:
             raise ValueError(f"prefetch_depth must be >= 0 (got {self.prefetch_depth})")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1 (got {self.group_size})")
+        if self.group_max_tokens < 0:
+            raise ValueError(f"group_max_tokens must be >= 0 (got {self.group_max_tokens})")
 
 
 @dataclass
@@ -146,20 +153,33 @@ class Trainer:
         loss_scales: list[float],
         on_group: Callable[[list[Sample], list[tuple[float, bool]]], None] | None = None,
     ) -> Generator[None, None, list[tuple[float, bool]]]:
-        """Accumulates the samples' scaled gradients, ``group_size`` samples at a time (``group_backward_slices``),
+        """Accumulates the samples' scaled gradients, a group at a time (``groups``, ``group_backward_slices``),
         in slices (each group's, and a pause between groups); returns (loss, replayed) of each. ``on_group`` is
         told each group's samples and results as soon as the group is done."""
         results: list[tuple[float, bool]] = []
-        size = self.config.group_size
-        for start in range(0, len(samples), size):
-            if start:
+        for group in self.groups(samples):
+            if group.start:
                 yield
-            group = slice(start, start + size)
             group_results = yield from self.group_backward_slices(samples[group], loss_scales[group])
             if on_group is not None:
                 on_group(samples[group], group_results)
             results += group_results
         return results
+
+    def groups(self, samples: list[Sample]) -> list[slice]:
+        """The batch cut into groups trained together: consecutive samples, at most ``group_size`` of them and
+        ``group_max_tokens`` rows (a sample with more rows is a group alone)."""
+        c = self.config
+        groups, start, rows = [], 0, 0
+        for i, sample in enumerate(samples):
+            n = len(sample.prompt_ids) + len(sample.response_ids) - 1
+            if i > start and (i - start == c.group_size or (c.group_max_tokens and rows + n > c.group_max_tokens)):
+                groups.append(slice(start, i))
+                start, rows = i, 0
+            rows += n
+        if samples:
+            groups.append(slice(start, len(samples)))
+        return groups
 
     def group_backward_slices(
         self, samples: list[Sample], loss_scales: list[float]

@@ -18,7 +18,8 @@ import alchemist.training.layer_backward as layer_backward
 from alchemist.bench.training import record_prefill
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.replay import ReplaySample, replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 
 torch.set_num_threads(2)
 P, R, G, repeats = (int(a) for a in sys.argv[1:5])

@@ -18,7 +18,8 @@ from alchemist.bench.training import record_prefill
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import recompute_loss, recompute_losses
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.slices import run_to_end
 
 P, R, G, repeats = (int(a) for a in sys.argv[1:5])
 dtype = getattr(torch, sys.argv[5]) if len(sys.argv) > 5 else torch.float32

@@ -28,7 +28,7 @@ from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import responses_hidden
-from alchemist.training.replay import run_to_end
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3

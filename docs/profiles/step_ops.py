@@ -16,7 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 from alchemist.bench.training import make_steps, record_prefill
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.replay import ReplaySample, replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 
 torch.set_num_threads(2)
 P, R, G = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

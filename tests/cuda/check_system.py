@@ -37,7 +37,7 @@ from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
-from alchemist.training.replay import run_to_end as run_slices
+from alchemist.training.slices import run_to_end as run_slices
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.engine.helpers import char_tokenizer, random_adapter, random_prompts, run_to_end
 from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.engine import SamplingParams
+from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, reference_targets, references
+from alchemist.training.anchors import Anchor, AnchorPool, reference_targets, references, references_slices
 from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import replay_backward
@@ -53,6 +54,32 @@ def test_references_of_several_anchors_in_one_forward_equal_each_alone(tiny_dirs
         assert got.ids.shape == (len(response), 6)
         assert torch.equal(got.ids, alone.ids)
         assert torch.allclose(got.logprobs, alone.logprobs, rtol=0, atol=1e-5)
+
+
+def test_references_run_in_slices_of_one_layer_and_equal_the_whole_forward(tiny_dirs):
+    # The online trainer computes anchors' references between serving steps: one layer per slice, never the
+    # whole forward at once, and the same numbers as the model's plain forward.
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    g = torch.Generator().manual_seed(7)
+    pairs = [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
+             for p, r in ((12, 5), (20, 2))]  # fmt: skip
+    slices, pauses = references_slices(model, pairs, top_k=4), 0
+    try:
+        while True:
+            next(slices)
+            pauses += 1
+            assert torch.is_grad_enabled()  # no_grad holds inside the slices only
+    except StopIteration as done:
+        got = done.value
+    assert pauses == model.config.num_layers + len(pairs) - 1  # each layer, then each anchor's top-k
+    for (prompt, response), targets in zip(pairs, got, strict=True):
+        seq = torch.tensor(prompt + response[:-1])
+        with torch.no_grad():
+            hidden = model(seq, torch.arange(len(seq)), AttentionMetadata([Segment(slot=0, start=0, length=len(seq))]))
+        want = F.log_softmax(model.logits(hidden[len(prompt) - 1 :]).float(), dim=-1).topk(4, dim=-1)
+        assert not targets.logprobs.requires_grad
+        assert torch.equal(targets.ids, want.indices)
+        assert torch.allclose(targets.logprobs, want.values, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefill", ["alone", "batched_chunked"])

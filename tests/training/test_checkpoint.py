@@ -172,6 +172,28 @@ def test_a_save_killed_midway_leaves_the_previous_version(tmp_path, point):
     assert entries(tmp_path) == ["LATEST", "v000002", "v000003"]
 
 
+def test_a_save_in_slices_commits_only_at_its_end_and_a_closed_one_leaves_nothing(tmp_path):
+    """The online trainer saves in slices (serving steps in between): until the last slice the previous version
+    is the latest; one abandoned midway (a rollback, the trainer's batch dropped) leaves no files behind."""
+    adapter, state = trained(seed=6)
+    checkpoints = AdapterCheckpoints(tmp_path, keep=3)
+    checkpoints.save(1, adapter, state, log_position=10)
+    slices = checkpoints.save_slices(2, adapter, state, log_position=20)
+    for _ in range(2):
+        next(slices)
+        assert checkpoints.latest().version == 1 and checkpoints.versions()[-1].version == 1
+    with pytest.raises(StopIteration) as done:
+        next(slices)
+    assert done.value.value == checkpoints.latest() and checkpoints.latest().log_position == 20
+    assert entries(tmp_path) == ["LATEST", "v000001", "v000002"]
+
+    abandoned = checkpoints.save_slices(3, adapter, state, log_position=30)
+    next(abandoned)
+    next(abandoned)
+    abandoned.close()
+    assert checkpoints.latest().version == 2 and entries(tmp_path) == ["LATEST", "v000001", "v000002"]
+
+
 def test_leftovers_of_a_crash_are_removed_at_start_up(tmp_path):
     adapter, state = trained(seed=5)
     AdapterCheckpoints(tmp_path, keep=3).save(1, adapter, state, log_position=10)

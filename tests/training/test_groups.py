@@ -11,7 +11,8 @@ from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
 from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_loss, recompute_losses
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices, run_to_end
+from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone
@@ -66,8 +67,19 @@ def test_replayed_together_equals_one_at_a_time(tiny_dirs, variant):
     adapter.zero_grad(set_to_none=True)
     group = [ReplaySample(prompt, response, record.layers.__getitem__, loss_scale=scale, targets=targets)
              for (prompt, response, record, targets), scale in zip(samples, SCALES, strict=True)]  # fmt: skip
-    losses = run_to_end(replay_backward_slices(model, adapter, group))
+    slices, pauses = replay_backward_slices(model, adapter, group), 0
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            losses = done.value
+            break
+        pauses += 1
     together = grads_of(adapter)
+    # serving may take a turn between any two layers of the live forward and of the walk, and around each
+    # sample's loss (the LM head): never more than one of these at a time
+    layers = model.config.num_layers
+    assert pauses == (layers - 1) + len(group) + 1 + (layers - 1)
 
     assert losses == pytest.approx(alone_losses, rel=1e-6)
     assert max_rel_l2(alone, together) <= 1e-5
@@ -110,3 +122,25 @@ def test_trainer_groups_replay_and_recompute_samples(tiny_dirs):
     ours, theirs = flat(dict(adapter.named_parameters())), flat(dict(twin.named_parameters()))
     assert (ours - theirs).abs().max().item() <= 1e-6
     assert all(store.evict(f"resp-{i}") for i in (0, 1, 3))  # nothing left pinned
+
+
+def test_groups_are_capped_in_samples_and_in_rows(tiny_dirs):
+    """A group holds at most group_size samples and group_max_tokens rows (P + R - 1 each), in order; a sample
+    with more rows than the cap is a group alone; 0 lifts the cap."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = lora_with_nonzero_b(model)
+
+    def sample(rows):  # a sample of ``rows`` rows: P + R - 1
+        return Sample([1] * (rows - 3), [2] * 4)
+
+    samples = [sample(n) for n in (10, 10, 30, 5, 5, 5, 5, 50, 4)]
+
+    def cut(**config):
+        return [(g.start, g.stop) for g in Trainer(model, adapter, None, TrainerConfig(**config)).groups(samples)]
+
+    assert cut(group_size=4, group_max_tokens=0) == [(0, 4), (4, 8), (8, 9)]
+    assert cut(group_size=4, group_max_tokens=40) == [(0, 2), (2, 5), (5, 7), (7, 8), (8, 9)]  # 40 rows fit in 40
+    assert cut(group_size=2, group_max_tokens=20) == [(0, 2), (2, 3), (3, 5), (5, 7), (7, 8), (8, 9)]
+    assert cut(group_size=1, group_max_tokens=1) == [(i, i + 1) for i in range(len(samples))]
+    with pytest.raises(ValueError, match="group_max_tokens"):
+        TrainerConfig(group_max_tokens=-1)
