@@ -12,7 +12,6 @@ from alchemist.model.loader import build_model
 from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_loss, recompute_losses
 from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
-from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone
