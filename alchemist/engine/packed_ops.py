@@ -12,6 +12,8 @@ Base weights are frozen while serving (adapters are separate deltas), so packing
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from alchemist.model.llama import Llama
@@ -19,13 +21,21 @@ from alchemist.model.seam import LINEAR_NAMES, ComputeOps
 
 
 def packed_linear_supported(model: Llama) -> bool:
-    """True where the packed path applies: a bf16 model on a CPU with oneDNN."""
-    return (
-        model.device.type == "cpu"
-        and model.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """True where the packed path applies: a bf16 model on a CPU whose oneDNN packs bf16 weights."""
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and onednn_packs_bf16()
+
+
+@cache
+def onednn_packs_bf16() -> bool:
+    """Whether this torch and CPU pack bf16 linear weights: oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and raises without them (an AMD Zen 3 here): tried once on a small weight."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        pack(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
