@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from alchemist.config import OnlineConfig
+
 
 def _add_model_flags(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -80,37 +82,62 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
-    """OnlineConfig fields: the trainer that learns from feedback inside the server."""
+    """OnlineConfig fields: the trainer that learns from feedback inside the server (defaults: OnlineConfig's)."""
+    d = OnlineConfig()
     p.add_argument("--no-train", action="store_true", help="log feedback but train nothing")
-    p.add_argument("--train-batch-size", type=int, default=8, help="feedback samples per optimizer step")
-    p.add_argument("--train-max-wait-s", type=float, default=10.0, help="train a partial batch after this wait")
-    p.add_argument("--train-epochs", type=int, default=1, help="optimizer steps over each mini-batch")
-    p.add_argument("--train-lr", type=float, default=2e-4)
-    p.add_argument("--train-max-staleness", type=int, default=4, help="adapter versions a record may lag")
+    p.add_argument("--train-batch-size", type=int, default=d.batch_size, help="feedback samples per optimizer step")
+    p.add_argument("--train-max-wait-s", type=float, default=d.max_wait_s, help="train a partial batch after this wait")
+    p.add_argument("--train-epochs", type=int, default=d.epochs, help="optimizer steps over each mini-batch")
+    p.add_argument("--train-lr", type=float, default=d.lr)
+    p.add_argument("--train-max-staleness", type=int, default=d.max_staleness, help="adapter versions a record may lag")
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
-    p.add_argument("--train-prefetch-depth", type=int, default=2, help="record layers read ahead of the replay")
-    p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
     p.add_argument(
-        "--train-group-max-tokens", type=int, default=2048, help="rows of a pass at most (bounds a slice); 0: no limit"
+        "--train-prefetch-depth", type=int, default=d.prefetch_depth, help="record layers read ahead of the replay"
     )
-    p.add_argument("--train-share", type=float, default=0.2, help="time share of training while serving is busy")
+    _add_group_flags(p, d)
     p.add_argument(
-        "--train-quantum-ms", type=float, default=0.0, help="training turns of up to this long while serving (ms)"
+        "--train-share", type=float, default=d.train_share, help="time share of training while serving is busy"
     )
     p.add_argument(
-        "--train-anchor-weight", type=float, default=3.0, help="weight of the KL to the base model on served traffic"
+        "--train-quantum-ms",
+        type=float,
+        default=d.train_quantum_s * 1000,
+        help="training turns of up to this long while serving (ms)",
     )
-    p.add_argument("--train-anchor-samples", type=int, default=16, help="recent served completions per step (anchors)")
-    p.add_argument("--train-anchor-top-k", type=int, default=32, help="base-model tokens kept per anchor position")
-    p.add_argument("--train-anchor-max-tokens", type=int, default=64, help="response tokens of an anchor")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--keep-adapter-versions", type=int, default=8, help="adapter versions kept (rollback targets)")
+    p.add_argument(
+        "--train-anchor-weight",
+        type=float,
+        default=d.anchor_weight,
+        help="weight of the KL to the base model on served traffic",
+    )
+    p.add_argument(
+        "--train-anchor-samples", type=int, default=d.anchor_samples, help="recent served completions per step"
+    )
+    p.add_argument(
+        "--train-anchor-top-k", type=int, default=d.anchor_top_k, help="base-model tokens kept per anchor position"
+    )
+    p.add_argument(
+        "--train-anchor-max-tokens", type=int, default=d.anchor_max_tokens, help="response tokens of an anchor"
+    )
+    p.add_argument("--lora-r", type=int, default=d.lora_r)
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
+    p.add_argument(
+        "--keep-adapter-versions", type=int, default=d.keep_versions, help="adapter versions kept (rollback targets)"
+    )
 
 
-def _online_config(args: argparse.Namespace):  # -> OnlineConfig (imported lazily)
-    from alchemist.config import OnlineConfig
+def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
+    """How many samples train together (serve and bench online)."""
+    p.add_argument("--train-group-size", type=int, default=d.group_size, help="samples trained together in one pass")
+    p.add_argument(
+        "--train-group-max-tokens",
+        type=int,
+        default=d.group_max_tokens,
+        help="rows of a pass at most (bounds a slice); 0: no limit",
+    )
 
+
+def _online_config(args: argparse.Namespace) -> OnlineConfig:
     return OnlineConfig(
         enabled=not args.no_train,
         batch_size=args.train_batch_size,
@@ -294,13 +321,13 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--feedback", default="correction", choices=["correction", "rating"])
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--record-budget-mb", type=int, default=4096, help="the server's activation store")
-    p.add_argument("--train-batch-size", type=int, default=8)
-    p.add_argument("--train-epochs", type=int, default=1)
-    p.add_argument("--train-group-size", type=int, default=4, help="samples trained together in one pass")
-    p.add_argument("--train-group-max-tokens", type=int, default=2048, help="rows of a pass at most; 0: no limit")
+    d = OnlineConfig()  # the server's defaults, but a shorter wait for a partial batch
+    p.add_argument("--train-batch-size", type=int, default=d.batch_size)
+    p.add_argument("--train-epochs", type=int, default=d.epochs)
+    _add_group_flags(p, d)
     p.add_argument("--train-max-wait-s", type=float, default=5.0)
-    p.add_argument("--train-share", type=float, default=0.2)
-    p.add_argument("--train-quantum-ms", type=float, default=0.0)
+    p.add_argument("--train-share", type=float, default=d.train_share)
+    p.add_argument("--train-quantum-ms", type=float, default=d.train_quantum_s * 1000)
     p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

@@ -49,3 +49,18 @@ def test_bench_memory_help_and_bad_shape():
         assert flag in done.stdout
     done = run_cli("bench", "memory", "--shapes", "8192x128")
     assert done.returncode == 2 and "--shapes 8192x128" in done.stderr and "context" in done.stderr
+
+
+def test_serve_flags_map_onto_the_online_config():
+    """Each training flag of `serve` lands in its OnlineConfig field: the defaults give OnlineConfig's defaults,
+    and set flags (the quantum in ms) their values."""
+    from alchemist.cli import _online_config, build_parser
+    from alchemist.config import OnlineConfig
+
+    parser = build_parser()
+    assert _online_config(parser.parse_args(["serve"])) == OnlineConfig()
+    args = parser.parse_args(["serve", "--train-group-size", "2", "--train-group-max-tokens", "0",
+                              "--train-quantum-ms", "40", "--no-train", "--train-no-replay"])  # fmt: skip
+    got = _online_config(args)
+    assert (got.group_size, got.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
+    assert not got.enabled and not got.replay

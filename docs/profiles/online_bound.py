@@ -1,11 +1,11 @@
 """Profile (not a benchmark): the most replay can gain over recompute on `bench online`'s workload, and what it gets.
 
-    python docs/profiles/online_bound.py [repeats] [group size] [ops]    # defaults: 3, 4; "ops": also profile
+    python docs/profiles/online_bound.py [repeats] [group size] [ops] [dtype]   # defaults: 3, 4, no ops, auto
 
 The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
 conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
-as the server trains them (SmolLM2 in bf16 as `--dtype auto` picks here, bf16 records, LoRA r=16, groups of
-``group size``), in process, without serving, anchors, updates or publishes. Times, interleaved over ``repeats``
+as the server trains them (SmolLM2 in the dtype `--dtype auto` picks on this machine unless one is given, bf16
+records, LoRA r=16, groups of ``group size``), in process, without serving, anchors, updates or publishes. Times, interleaved over ``repeats``
 (medians): ``recompute`` (all samples' backward with no store), ``replay`` (with every prompt's record in memory),
 and the training forward in the same groups with and without the prompt rows (each sample from its prompt's last
 token on): their difference is the share of the recompute step that replay can skip. As `bench train` defines it
@@ -34,8 +34,9 @@ from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 ops = len(sys.argv) > 3 and sys.argv[3] == "ops"
+dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
 keep_freed_memory()  # as the CLI does
-loaded = load_model(None, dtype="bfloat16")
+loaded = load_model(None, dtype=dtype)
 model, tok = loaded.model, loaded.tokenizer
 defaults = argparse.Namespace(num_requests=48, seed=0, mode="multi_turn", max_prompt_tokens=768, max_tokens=128,
                               request_rate=0.4, feedback_fraction=0.5, feedback="correction")  # fmt: skip
@@ -47,7 +48,7 @@ samples = [
 ]
 prompt_tokens = [len(s.prompt_ids) for s in samples]
 response_tokens = [len(s.response_ids) for s in samples]
-print(f"{len(samples)} samples: prompt tokens mean {statistics.mean(prompt_tokens):.0f} (median "
+print(f"SmolLM2 in {model.dtype}; {len(samples)} samples: prompt tokens mean {statistics.mean(prompt_tokens):.0f} (median "
       f"{statistics.median(prompt_tokens):.0f}, max {max(prompt_tokens)}), response tokens mean "
       f"{statistics.mean(response_tokens):.0f}", flush=True)  # fmt: skip
 adapter = LoraAdapter(model.config, seed=0)
