@@ -17,7 +17,8 @@ streaming), each asking for as many greedy tokens as its reference reply has (at
 so every run serves the same token counts) and for its prompt to be recorded. A seeded ``--feedback-fraction`` of the
 responses get feedback as soon as they finish: the reference reply, cut to ``--max-tokens``, as a correction (or
 rating 1 with ``--feedback rating``). After the last response, training drains until it has trained every feedback
-entry, or for at most ``--drain-s``.
+entry, or for at most ``--drain-s``. The default rate suits 2 vCPUs that serve in bf16; where the server runs in
+fp32 (a CPU without bf16 instructions) it saturates them: ``--request-rate 0.15`` there (docs/benchmarks.md).
 
 Client-side TTFT (to the first streamed content) and TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output
 tokens - 1). Training numbers are differences of the server's /metrics between the start of the load, its end

@@ -5,12 +5,13 @@
 The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
 conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
 as the server trains them (SmolLM2 in the dtype `--dtype auto` picks on this machine unless one is given, bf16
-records, LoRA r=16, groups of ``group size``), in process, without serving, anchors, updates or publishes. Times, interleaved over ``repeats``
-(medians): ``recompute`` (all samples' backward with no store), ``replay`` (with every prompt's record in memory),
-and the training forward in the same groups with and without the prompt rows (each sample from its prompt's last
-token on): their difference is the share of the recompute step that replay can skip. As `bench train` defines it
-(with a prefill there), bound = recompute / (recompute - that share): replay / recompute throughput can reach it
-only if everything replay does besides skipping the prompt's forward costs nothing.
+records, LoRA r=16, groups of ``group size``), in process, without serving, anchors, updates or publishes. Times,
+interleaved over ``repeats`` (medians): ``recompute`` (all samples' backward with no store), ``replay`` (with every
+prompt's record in memory), and the training forward in the same groups with and without the prompt rows (each
+sample from its prompt's last token on): their difference is the share of the recompute step that replay can
+skip. As `bench train` defines it (with a prefill there), bound = recompute / (recompute - that share): replay /
+recompute throughput can reach it only if everything replay does besides skipping the prompt's forward costs
+nothing.
 """
 
 import argparse
@@ -48,9 +49,9 @@ samples = [
 ]
 prompt_tokens = [len(s.prompt_ids) for s in samples]
 response_tokens = [len(s.response_ids) for s in samples]
-print(f"SmolLM2 in {model.dtype}; {len(samples)} samples: prompt tokens mean {statistics.mean(prompt_tokens):.0f} (median "
-      f"{statistics.median(prompt_tokens):.0f}, max {max(prompt_tokens)}), response tokens mean "
-      f"{statistics.mean(response_tokens):.0f}", flush=True)  # fmt: skip
+print(f"SmolLM2 in {model.dtype}; {len(samples)} samples: prompt tokens mean "
+      f"{statistics.mean(prompt_tokens):.0f} (median {statistics.median(prompt_tokens):.0f}, max "
+      f"{max(prompt_tokens)}), response tokens mean {statistics.mean(response_tokens):.0f}", flush=True)  # fmt: skip
 adapter = LoraAdapter(model.config, seed=0)
 store = ActivationStore(8 << 30)
 for s in samples:
