@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from alchemist.config import OnlineConfig
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig
 
 
 def _add_model_flags(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
@@ -54,8 +54,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily)
-    from alchemist.config import EngineConfig
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
     fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
@@ -66,7 +65,6 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazil
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from alchemist.config import ServerConfig
     from alchemist.server.app import run_server
 
     server_config = ServerConfig(
@@ -172,8 +170,7 @@ def _add_record_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-dir", default=None, help="the disk tier's files (default: DATA_DIR/activations)")
 
 
-def _record_config(args: argparse.Namespace):  # -> RecordConfig (imported lazily)
-    from alchemist.config import RecordConfig
+def _record_config(args: argparse.Namespace) -> RecordConfig:
 
     return RecordConfig(
         policy=args.record_policy,

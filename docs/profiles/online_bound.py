@@ -2,6 +2,8 @@
 
     python docs/profiles/online_bound.py [repeats] [group size] [ops] [dtype]   # defaults: 3, 4, no ops, auto
 
+``ops``: then one more pass of each path under torch.profiler: self CPU time by op, and the matmuls by kind.
+
 The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
 conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
 as the server trains them (SmolLM2 in the dtype `--dtype auto` picks on this machine unless one is given, bf16
@@ -98,12 +100,32 @@ print(f"group size {group_size}, medians of {repeats}: recompute {t['recompute']
 print(f"forward {t['forward']:.2f} s, without the prompt rows {t['forward_no_prompt']:.2f} s: prompt share "
       f"{prompt_share:.2f} s")  # fmt: skip
 print(f"replay / recompute {speedup:.3f}, bound {bound:.3f} ({100 * speedup / bound:.1f}% of it)")
+
+
+def matmuls_by_kind(prof) -> dict[str, list[float]]:
+    """Matmul self time, calls and GFLOP by kind: "rank<=16" (LoRA's products), "base" (the base weights and the
+    LM head: both weight dims >= 192), "other"."""
+    kinds: dict[str, list[float]] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm_", "aten::addmm") or len(e.input_shapes) < 2:
+            continue
+        (m, k), (_, n) = e.input_shapes[-2][:2], e.input_shapes[-1][:2]
+        kind = "rank<=16" if min(m, k, n) <= 16 else "base" if min(k, n) >= 192 else "other"
+        row = kinds.setdefault(kind, [0.0, 0, 0.0])
+        row[0] += e.self_cpu_time_total / 1e6
+        row[1] += e.count
+        row[2] += 2 * m * k * n * e.count / 1e9
+    return kinds
+
+
 if ops:
     self_s = {}
     for name in ("recompute", "replay"):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             runs[name]()
         self_s[name] = {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
+        for kind, (secs, calls, gflop) in sorted(matmuls_by_kind(prof).items()):
+            print(f"{name} matmuls, {kind}: {secs:.2f} s, {calls} calls, {gflop:.1f} GFLOP, {gflop / secs:.1f} GFLOP/s")
     print("self CPU s (calls): " + ", ".join(f"{n} {sum(v[0] for v in d.values()):.2f}" for n, d in self_s.items()))
     top = sorted(set().union(*self_s.values()), key=lambda k: -max(d.get(k, (0, 0))[0] for d in self_s.values()))
     for key in top[:12]:
