@@ -345,9 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Imported after parsing: the engine package brings torch and transformers (~4 s), which --help and argument
+    # errors never need.
     from alchemist.engine.host_memory import keep_freed_memory
 
-    args = build_parser().parse_args(argv)
     keep_freed_memory()  # this process owns the allocator: reuse freed buffers (engine/host_memory.py)
     try:
         return args.func(args)
