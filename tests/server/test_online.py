@@ -47,6 +47,7 @@ FACTS = [
 ]
 ROUNDS = 7  # of asking every question and correcting every answer
 NUM_OTHERS = 16  # ShareGPT questions asked per round by people who give no feedback (the trainer's anchors)
+OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions (48 learned and kept the same, 90 s slower)
 TEACH_FLAGS = [
     *("--max-num-seqs", "26", "--max-model-len", "512", "--record-policy", "requested", "--record-dtype", "float32"),
     *("--train-batch-size", str(len(FACTS)), "--train-max-wait-s", "30", "--train-epochs", "1"),
@@ -94,11 +95,12 @@ def stop(server: ServerProcess) -> None:
 
 
 def ask_all(server: ServerProcess, others: list[str] = ()) -> list[tuple[str, str]]:
-    """Every fact's question, and ``others`` (48-token answers) beside them; returns the facts' answers."""
+    """Every fact's question, and ``others`` (``OTHER_TOKENS``-token answers) beside them; returns the facts'
+    answers."""
     with ThreadPoolExecutor(len(FACTS) + len(others)) as pool:  # concurrently, as many users would
         facts = [pool.submit(ask, server, question) for question, _, _ in FACTS]
         for question in others:
-            pool.submit(ask, server, question, 48)
+            pool.submit(ask, server, question, OTHER_TOKENS)
         return [f.result() for f in facts]
 
 
