@@ -11,14 +11,18 @@ stop ids). ``IncrementalDetokenizer`` turns a stream of generated ids into text 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# tokenizer_config.json classes that name no model-specific tokenizer: a tokenizer.json loaded as it is (transformers
+# 5 calls that class TokenizersBackend; PreTrainedTokenizerFast is its name there too).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # End-of-turn markers of common chat formats (ChatML, Llama 3, Phi-3, Gemma). A model may stop on one of these
 # while its configured eos is a different token (e.g. Qwen2: eos <|endoftext|>, turns end with <|im_end|>).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -36,9 +40,15 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, gguf_file: str | None = None) -> Tokenizer:
-        """Load from a Hugging Face model directory, or from ``gguf_file`` inside ``path``."""
-        kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-        return cls(AutoTokenizer.from_pretrained(str(path), **kwargs))
+        """Load from a Hugging Face model directory, or from ``gguf_file`` inside ``path``.
+
+        A directory whose tokenizer is the generic one (ours from a .gguf, ``alchemist.model.gguf``) loads it
+        directly: the class AutoTokenizer would pick, without its model-config lookup (2 s of a server's start)."""
+        if gguf_file is not None:
+            return cls(AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file))
+        if _generic_tokenizer(Path(path)):
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
+        return cls(AutoTokenizer.from_pretrained(str(path)))
 
     @property
     def vocab_size(self) -> int:
@@ -163,3 +173,11 @@ class IncrementalDetokenizer:
         self.num_sent = len(self.window)
         self._deltas.append(delta)
         return delta
+
+
+def _generic_tokenizer(path: Path) -> bool:
+    """Whether ``path`` holds a tokenizer.json whose tokenizer_config.json names a generic class."""
+    config = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES

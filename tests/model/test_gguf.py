@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import alchemist.model.gguf as gguf_module
 from alchemist.model.config import ModelConfig
 from alchemist.model.gguf import GGUFError, default_cache_dir, default_gguf_path, gguf_to_hf_dir
+from alchemist.model.tokenizer import Tokenizer
 
 CONFIG_FIELDS = (
     "model_type",
@@ -131,8 +132,9 @@ def test_smollm_config_equals_transformers(converted: Path, oracle: torch.nn.Mod
 
 
 def test_smollm_tokenizer_matches_the_gguf_one(converted: Path, smollm_gguf: Path) -> None:
-    ours = AutoTokenizer.from_pretrained(converted)
+    ours = Tokenizer.from_pretrained(converted).hf  # loaded directly (a generic tokenizer), not by AutoTokenizer
     reference = AutoTokenizer.from_pretrained(smollm_gguf.parent, gguf_file=smollm_gguf.name)
+    assert type(ours) is type(reference) is type(AutoTokenizer.from_pretrained(converted))
     for text in ("Hello world!", " leading space, émoji 🤖 and\nnewlines", "<|im_start|>user\nhi<|im_end|>"):
         assert ours.encode(text) == reference.encode(text)
     messages = [{"role": "user", "content": "What is 2+2?"}]
