@@ -217,7 +217,8 @@ def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
     server = launch_server("crash", tmp_path, data, flags)
     wait_ready(server)
     questions = [q for q, _, _ in FACTS[:6]]
-    answers = [ask(server, q) for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(lambda q: ask(server, q), questions))
     fixes = [fix for _, fix, _ in FACTS[:6]]
     acked = [
         feedback(server, response_id=rid, correction=fix)["id"] for (rid, _), fix in zip(answers, fixes, strict=True)
