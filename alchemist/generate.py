@@ -16,9 +16,7 @@ def generate_text(args: argparse.Namespace) -> Iterator[str]:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
     prompt_ids = engine.tokenizer.apply_chat_template(messages)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     engine.add_request("generate", prompt_ids, params)
     while engine.has_unfinished():
         for out in engine.step():

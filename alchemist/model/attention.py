@@ -155,9 +155,7 @@ def sdpa(
     return out, None
 
 
-def attend(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-) -> AttentionResult:
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> AttentionResult:
     """q: (T, H, D), k and v: (T, Hkv, D), RoPE applied. Writes k/v into the cache, returns (T, H, D)."""
     scale = meta.scale if meta.scale is not None else q.shape[-1] ** -0.5
     cache = meta.cache
@@ -203,9 +201,7 @@ def _write_cache(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
         cache.v[layer][slots, :, positions] = v[rows]
 
 
-def _decode_attention(
-    layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> None:
+def _decode_attention(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
     """All decode tokens in one call over the cache view of slots lo .. hi (no copy of the cache)."""
     cache = meta.cache
     assert cache is not None

@@ -82,9 +82,7 @@ class Llama(nn.Module):
 
     # --- the layer, in the pieces the replay trainer composes -------------------------------------------------
 
-    def project(
-        self, layer: int, name: str, x: torch.Tensor, ops: Ops, adapter: Adapter | None
-    ) -> torch.Tensor:
+    def project(self, layer: int, name: str, x: torch.Tensor, ops: Ops, adapter: Adapter | None) -> torch.Tensor:
         """A fused base projection through the seam, plus the adapter's live low-rank delta."""
         mod = self.layers[layer]
         weight = getattr(mod, f"{name}_weight")

@@ -52,6 +52,10 @@ if __name__ == "__main__":
     num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
     dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
     for setting in ("default", "kept"):
-        done = subprocess.run([sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         print(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -88,8 +88,10 @@ def chat_sample(smollm2):
         {"role": "user", "content": "Explain in two sentences why the sky is blue during the day."},
     ]
     prompt = torch.tensor(tok.apply_chat_template(messages))
-    reply = "Sunlight is scattered by air molecules, and blue light scatters the most because of its short " \
+    reply = (
+        "Sunlight is scattered by air molecules, and blue light scatters the most because of its short "
         "wavelength. So we see blue light coming from every direction of the sky.<|im_end|>"
+    )
     response = torch.tensor(tok.encode(reply))
     return prompt, response
 
