@@ -9,14 +9,14 @@ import pytest
 
 from alchemist.bench import sharegpt
 from alchemist.bench.sharegpt import ChatSample, Conversation, load_conversations, sample_requests
-from alchemist.model.gguf import default_gguf_path
+from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    gguf = default_gguf_path()  # part of the install (make install): missing is an error, not a skip
-    return Tokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The served model's tokenizer (converted from the packaged .gguf, part of the install: missing is an error)
+    return Tokenizer.from_pretrained(hf_dir_for(None))
 
 
 @pytest.fixture(scope="module")
