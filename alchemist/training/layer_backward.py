@@ -50,11 +50,27 @@ class PromptRecord:
         self.num_rows = sum(self.counts)
         self.dtype = dtype
 
-    def rows(self, name: str) -> torch.Tensor:
-        """The recorded rows as stored, in the record's dtype: of one sample, the record's own memory (read it,
-        never write); of several, a copy of theirs, one after the other."""
-        parts = [source[name][:n] for source, n in zip(self.sources, self.counts, strict=True)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def rows_into(self, name: str, out: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
+        """Copies the recorded rows (their columns ``cols``) into ``out`` (``num_rows`` rows, any dtype: cast as
+        copied), sample after sample; returns ``out``. One pass over the record: concatenating the samples' rows
+        first and then copying them would be two."""
+        at = 0
+        for source, n in zip(self.sources, self.counts, strict=True):
+            out[at : at + n].copy_(source[name][:n, cols])
+            at += n
+        return out
+
+    def fresh_rows(self, name: str, cols: slice = slice(None)) -> torch.Tensor:
+        """The recorded rows (columns ``cols``) in a new tensor of the compute dtype."""
+        first = self.sources[0][name][:0, cols]
+        return self.rows_into(name, first.new_empty(self.num_rows, first.shape[-1], dtype=self.dtype), cols)
+
+    def read_rows(self, name: str, cols: slice = slice(None)) -> torch.Tensor:
+        """The recorded rows (columns ``cols``) in the compute dtype, to read, never write: of one sample in that
+        dtype, the record's own memory; else ``fresh_rows``."""
+        if len(self.sources) == 1 and self.sources[0][name].dtype == self.dtype:
+            return self.sources[0][name][: self.num_rows, cols]
+        return self.fresh_rows(name, cols)
 
 
 class Packing:
@@ -123,10 +139,11 @@ def prompt_kv(
     outputs plus the live LoRA delta on the recorded layer input. Fresh tensors."""
     c = model.config
     with torch.no_grad():
-        h = rec.rows("h").to(rec.dtype)
+        h = rec.read_rows("h")
         xa = adapter.down(layer, "qkv", rms_norm(h, model.layers[layer].input_norm, c.rms_norm_eps))
-        kv = rec.rows("qkv")[:, c.q_size :]
-        kv = kv.to(rec.dtype, copy=True) if xa is None else adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
+        kv = rec.fresh_rows("qkv", slice(c.q_size, None))
+        if xa is not None:  # the recorded base outputs plus the delta, in place
+            adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"), out=kv)
         k, v = kv.split([c.kv_size, c.kv_size], dim=-1)
         return apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), rot), v.view(-1, c.num_kv_heads, c.head_dim)
 
@@ -155,18 +172,18 @@ def layer_backward(
     pack = pack or Packing([n], [num_live])
     heads, head_dim = c.num_heads, c.head_dim
     top = n > 0 and dh_out.shape[0] == num_live  # the prompt rows' outputs carry no gradient
-    h_in = _stack(rec.rows("h"), live.h)
+    h_in = _stack(rec, "h", live.h)
     x1, xn1, rstd1 = _rms_norm(h_in, mod.input_norm, c.rms_norm_eps)
     xa_qkv = adapter.down(layer, "qkv", x1)
 
     # The o-projection and the MLP, over the rows whose outputs carry gradient (the live rows only at the top).
-    attn = live.attn if top else _stack(rec.rows("attn"), live.attn)
+    attn = live.attn if top else _stack(rec, "attn", live.attn)
     xa_o = adapter.down(layer, "o", attn)
     if top:
         h_mid = live.h_mid
     else:
         h_mid = _after_live_rows(n, live.h_mid)  # the prompt rows' o, then h_in + o in place
-        _rebuild(adapter, layer, "o", rec.rows("o"), xa_o, h_mid[:n])
+        _rebuild(adapter, layer, "o", rec, xa_o, h_mid[:n])
         h_mid[:n] += h_in[:n]
     prompt_gate_up = None if top else rec
     dh_mid = _mlp_backward(model, adapter, layer, h_mid, prompt_gate_up, live.gate_up, dh_out).add_(dh_out)
@@ -189,12 +206,14 @@ def layer_backward(
         dq_pre[:n].zero_()
         rotate_into(dq, rot.rows(n), dq_pre[n:], inverse=True)
     else:  # one causal attention over each sample's n + R rows
-        q_rows = rec.rows("qkv")[:, : c.q_size]
-        q_prompt = q_rows.to(rec.dtype) if xa_qkv is None else adapter.add_up(
-            layer, "qkv", q_rows, xa_qkv[:n], ("q_proj",))  # fmt: skip
+        if xa_qkv is None:
+            q_prompt = rec.read_rows("qkv", slice(0, c.q_size))
+        else:  # the recorded base outputs plus the delta, in place
+            q_prompt = rec.fresh_rows("qkv", slice(0, c.q_size))
+            adapter.add_up(layer, "qkv", q_prompt, xa_qkv[:n], ("q_proj",), out=q_prompt)
         q = _after_live_rows(n, live.q)
         rotate_into(q_prompt.view(n, heads, head_dim), rot.rows(0, n), q[:n])
-        lse = _stack(rec.rows("lse"), live.lse)  # (n + R, H)
+        lse = _stack(rec, "lse", live.lse)  # (n + R, H)
         out = attn.view(-1, heads, head_dim)
         grads = []
         for i in range(len(pack)):
@@ -239,7 +258,7 @@ def _mlp_backward(
     gate_up = live_gate_up
     if rec is not None:
         gate_up = _after_live_rows(rec.num_rows, live_gate_up)
-        _rebuild(adapter, layer, "gate_up", rec.rows("gate_up"), xa_gu, gate_up[: rec.num_rows])
+        _rebuild(adapter, layer, "gate_up", rec, xa_gu, gate_up[: rec.num_rows])
     gate, up = gate_up.chunk(2, dim=-1)
     silu = F.silu(gate)
     act = silu * up  # the down projection's input
@@ -275,11 +294,9 @@ def _rms_norm_backward(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor,
     return g.addcmul_(xn, mean, value=-1).mul_(rstd).to(grad.dtype)
 
 
-def _stack(prompt: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """[prompt rows ; live rows] in the live rows' dtype (the record's rows cast as they are copied)."""
-    out = _after_live_rows(prompt.shape[0], live)
-    out[: prompt.shape[0]] = prompt
-    return out
+def _stack(rec: PromptRecord, name: str, live: torch.Tensor) -> torch.Tensor:
+    """[the recorded rows of ``name`` ; live rows] in the live rows' dtype (the record's rows cast as copied)."""
+    return rec.rows_into(name, _after_live_rows(rec.num_rows, live))
 
 
 def _after_live_rows(n: int, live: torch.Tensor) -> torch.Tensor:
@@ -290,11 +307,10 @@ def _after_live_rows(n: int, live: torch.Tensor) -> torch.Tensor:
 
 
 def _rebuild(
-    adapter: LoraAdapter, layer: int, name: str, base: torch.Tensor, xa: torch.Tensor | None, out: torch.Tensor
+    adapter: LoraAdapter, layer: int, name: str, rec: PromptRecord, xa: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """Writes the prompt rows' output of projection ``name`` into ``out``: the recorded base output ``base`` plus
-    the LoRA delta of the rows' down-projection (``xa``, all rows: the first n are the prompt's)."""
-    if xa is None:
-        out.copy_(base)
-    else:
-        adapter.add_up(layer, name, base, xa[: len(base)], out=out)
+    """Writes the prompt rows' output of projection ``name`` into ``out``: the recorded base output plus the LoRA
+    delta of the rows' down-projection (``xa``, all rows: the first n are the prompt's)."""
+    rec.rows_into(name, out)
+    if xa is not None:  # (add_up's copy of its base onto itself is a no-op)
+        adapter.add_up(layer, name, out, xa[: rec.num_rows], out=out)
