@@ -55,7 +55,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-
     fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     return EngineConfig(
@@ -171,7 +170,6 @@ def _add_record_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _record_config(args: argparse.Namespace) -> RecordConfig:
-
     return RecordConfig(
         policy=args.record_policy,
         sample_fraction=args.record_fraction,

@@ -123,20 +123,13 @@ class LoraAdapter(nn.Module):
                 outs.append(xa.new_zeros(xa.shape[0], self.shapes[part][1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def add_up(
-        self,
-        layer: int,
-        name: str,
-        base: torch.Tensor,
-        xa: torch.Tensor,
-        parts: tuple[str, ...] | None = None,
-        out: torch.Tensor | None = None,
+    def add_up_(
+        self, layer: int, name: str, out: torch.Tensor, xa: torch.Tensor, parts: tuple[str, ...] | None = None
     ) -> torch.Tensor:
-        """``base + up(layer, name, xa, parts)`` in xa's dtype, without materializing the deltas: one copy of
-        ``base`` (the base outputs of exactly ``parts``' columns) into ``out`` (default: a fresh tensor), then one
-        in-place addmm per targeted part. The replay walk rebuilds recorded outputs so. In fp32 bitwise the sum; in
-        bf16 it rounds once where the sum rounds twice (tests/model/test_lora.py)."""
-        out = base.to(xa.dtype, copy=True) if out is None else out.copy_(base)
+        """``out += up(layer, name, xa, parts)`` in place, without materializing the deltas: one addmm per
+        targeted part into its columns of ``out`` (the outputs of exactly ``parts``' columns, in xa's dtype);
+        returns ``out``. The replay walk rebuilds recorded outputs so, the record copied into ``out`` first. In
+        fp32 bitwise the sum; in bf16 it rounds once where the sum rounds twice (tests/model/test_lora.py)."""
         targeted, r, col = self.targeted(name), self.config.r, 0
         for part in parts or FUSED_PARTS[name]:
             width = self.shapes[part][1]

@@ -143,7 +143,7 @@ def prompt_kv(
         xa = adapter.down(layer, "qkv", rms_norm(h, model.layers[layer].input_norm, c.rms_norm_eps))
         kv = rec.fresh_rows("qkv", slice(c.q_size, None))
         if xa is not None:  # the recorded base outputs plus the delta, in place
-            adapter.add_up(layer, "qkv", kv, xa, ("k_proj", "v_proj"), out=kv)
+            adapter.add_up_(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
         k, v = kv.split([c.kv_size, c.kv_size], dim=-1)
         return apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), rot), v.view(-1, c.num_kv_heads, c.head_dim)
 
@@ -210,7 +210,7 @@ def layer_backward(
             q_prompt = rec.read_rows("qkv", slice(0, c.q_size))
         else:  # the recorded base outputs plus the delta, in place
             q_prompt = rec.fresh_rows("qkv", slice(0, c.q_size))
-            adapter.add_up(layer, "qkv", q_prompt, xa_qkv[:n], ("q_proj",), out=q_prompt)
+            adapter.add_up_(layer, "qkv", q_prompt, xa_qkv[:n], ("q_proj",))
         q = _after_live_rows(n, live.q)
         rotate_into(q_prompt.view(n, heads, head_dim), rot.rows(0, n), q[:n])
         lse = _stack(rec, "lse", live.lse)  # (n + R, H)
@@ -312,5 +312,5 @@ def _rebuild(
     """Writes the prompt rows' output of projection ``name`` into ``out``: the recorded base output plus the LoRA
     delta of the rows' down-projection (``xa``, all rows: the first n are the prompt's)."""
     rec.rows_into(name, out)
-    if xa is not None:  # (add_up's copy of its base onto itself is a no-op)
-        adapter.add_up(layer, name, out, xa[: rec.num_rows], out=out)
+    if xa is not None:
+        adapter.add_up_(layer, name, out, xa[: rec.num_rows])

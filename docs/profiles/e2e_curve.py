@@ -1,6 +1,8 @@
 """Profile (not a test): the e2e teaching loop of tests/server/test_online.py, round by round.
 
-    PYTHONPATH=. python docs/profiles/e2e_curve.py [rounds] [others] [other tokens]   # defaults: the test's
+    PYTHONPATH=. python docs/profiles/e2e_curve.py [rounds] [others] [other tokens] [server flags ...]
+
+The numbers default to the test's; server flags are added to the test's (``TEACH_FLAGS``).
 
 A real server with the test's flags; each round corrects the ten facts' answers, waits for the step, asks again
 (beside ``others`` ShareGPT questions answered with ``other tokens`` greedy tokens: the next step's anchors).
@@ -20,13 +22,14 @@ from alchemist.model.loader import load_model
 from alchemist.training.checkpoint import AdapterCheckpoints
 from tests.server.conftest import launch_server, wait_ready
 
-args = [int(a) for a in sys.argv[1:]]
-rounds, num_others, other_tokens = args + [e2e.ROUNDS, e2e.NUM_OTHERS, e2e.OTHER_TOKENS][len(args) :]
+first_flag = next((i for i, a in enumerate(sys.argv[1:]) if a.startswith("--")), len(sys.argv) - 1)
+numbers, extra_flags = [int(a) for a in sys.argv[1 : 1 + first_flag]], sys.argv[1 + first_flag :]
+rounds, num_others, other_tokens = numbers + [e2e.ROUNDS, e2e.NUM_OTHERS, e2e.OTHER_TOKENS][len(numbers) :]
 e2e.ROUNDS, e2e.NUM_OTHERS = rounds, num_others  # other_questions reads them
 loaded = load_model(None, dtype="float32", device="cpu")
 others = e2e.other_questions(loaded.tokenizer)
 work = Path(tempfile.mkdtemp())
-server = launch_server("teach", work, work / "data", e2e.TEACH_FLAGS)
+server = launch_server("teach", work, work / "data", [*e2e.TEACH_FLAGS, *extra_flags])
 
 
 def ask_all(questions: list[str]) -> list[tuple[str, str]]:

@@ -317,8 +317,9 @@ def test_rejects_missing_directory(tiny_dirs, tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_up_equals_base_plus_up(tiny_dirs, variant, dtype):
-    """``add_up`` (copy + in-place addmm per part) gives the bits of ``base + up`` in fp32 for every fused group
-    and every subset of parts the walk asks for, untargeted parts included (they keep the base values)."""
+    """A copy of ``base`` then ``add_up_`` (in-place addmm per part) gives the bits of ``base + up`` in fp32 for
+    every fused group and every subset of parts the walk asks for, untargeted parts included (they keep the base
+    values)."""
     model = build_model(tiny_dirs[variant], torch.float32)
     config = LoraConfig(r=4, alpha=8.0, target_modules=TARGETS.get(variant, LoraConfig().target_modules))
     adapter = random_adapter(model, config, seed=0, b_std=0.2)
@@ -331,7 +332,7 @@ def test_add_up_equals_base_plus_up(tiny_dirs, variant, dtype):
         xa = adapter.down(1, name, x)
         width = sum(adapter.shapes[p][1] for p in parts or FUSED_PARTS[name])
         base = torch.randn(9, width, generator=g).to(torch.bfloat16)  # records may be bf16: cast on the copy
-        got = adapter.add_up(1, name, base, xa, parts)
+        got = adapter.add_up_(1, name, base.to(dtype, copy=True), xa, parts)
         assert got.dtype == dtype and base.dtype == torch.bfloat16
         summed = base.to(dtype) + adapter.up(1, name, xa, parts)
         if dtype == torch.float32:
