@@ -242,10 +242,8 @@ class OnlineTrainer:
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
         while the batch goes on)."""
-        used = self.trainer.stats.staleness_used  # an entry per replayed sample, appended in order: trimmed here
-        first = len(used) - sum(replayed for _, replayed in results)
-        self.stats.staleness_sum += sum(used[first:])
-        del used[first:]
+        used = self.trainer.stats.staleness_used  # this trainer's replayed records, by versions behind
+        self.stats.staleness_sum = sum(lag * count for lag, count in used.items())
         for sample, (_, replayed) in zip(group, results, strict=True):
             if sample.targets is not None:  # an anchor
                 self.stats.anchor_samples += 1

@@ -12,6 +12,7 @@ while the current version <= v + max_staleness (0: exact replay only). Otherwise
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -85,7 +86,8 @@ class TrainerStats:
     recomputed: int = 0
     stale: int = 0  # records found but too old for the current adapter (recomputed)
     missing: int = 0  # no record, or one that does not cover the prompt (recomputed)
-    staleness_used: list[int] = field(default_factory=list)  # versions behind, of each replayed record
+    # replayed records by how many adapter versions they lagged behind: keys 0..max_staleness only, so it stays small
+    staleness_used: Counter[int] = field(default_factory=Counter)
     unreadable: int = 0  # replays abandoned because the record went bad or away mid-read (then recomputed)
     layers_reloaded: int = 0  # walk layers read back from the store
     layers_recomputed: int = 0  # walk layers recomputed from their recorded input instead (hedging)
@@ -246,7 +248,7 @@ class Trainer:
             for record in records.values():
                 self.store.release(record.record_id)
         self.stats.replayed += len(records)
-        self.stats.staleness_used += [self.adapter.version - records[i].adapter_version for i in records]
+        self.stats.staleness_used.update(self.adapter.version - records[i].adapter_version for i in records)
         return dict(zip(records, losses, strict=True))
 
     def usable_record(self, sample: Sample) -> Record | None:

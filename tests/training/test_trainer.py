@@ -42,7 +42,7 @@ def test_staleness_bound_allows_lagging_records(setup):
     trainer = Trainer(model, adapter, store, TrainerConfig(max_staleness=2))
     results = [trainer.step([sample]) for _ in range(4)]
     assert [r.replayed for r in results] == [1, 1, 1, 0]
-    assert trainer.stats.staleness_used == [0, 1, 2] and trainer.stats.stale == 1
+    assert trainer.stats.staleness_used == {0: 1, 1: 1, 2: 1} and trainer.stats.stale == 1
 
 
 def test_missing_or_mismatched_record_recomputes(setup):
