@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.model import flash
+from alchemist.model.cpu_features import cpu_has_amx_bf16
 from alchemist.model.flash import lse_dtype
 
 
@@ -212,5 +213,9 @@ def _decode_attention(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Atte
     q_span[slots - lo] = q[rows].unsqueeze(2)
     ks = cache.k[layer][lo : lo + span, :, :max_len]
     vs = cache.v[layer][lo : lo + span, :, :max_len]
-    o, _ = sdpa(q_span, ks, vs, is_causal=False, mask=mask, scale=scale, need_lse=False)
-    out[rows] = o[slots - lo, :, 0]
+    # On a CPU without AMX, one query per sequence: ATen's bf16 flash kernel ran this 2-7x slower than its fp32
+    # kernel on fp32 copies, the copies included (docs/profiles/decode_attention.py); it accumulates in fp32 either
+    # way. (No-ops in fp32.)
+    ct = torch.float32 if q.device.type == "cpu" and not cpu_has_amx_bf16() else q.dtype
+    o, _ = sdpa(q_span.to(ct), ks.to(ct), vs.to(ct), is_causal=False, mask=mask.to(ct), scale=scale, need_lse=False)
+    out[rows] = o[slots - lo, :, 0].to(out.dtype)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from alchemist.model.config import ConfigError, ModelConfig
+from alchemist.model.cpu_features import cpu_has_fast_bf16
 from alchemist.model.gguf import default_cache_dir, default_gguf_path, gguf_to_hf_dir
 from alchemist.model.llama import Llama
 from alchemist.model.tokenizer import Tokenizer
@@ -32,16 +32,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path  # what the user pointed at (directory or .gguf)
     hf_dir: Path  # the directory the weights were read from
-
-
-@cache
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are fast on CPUs with AVX512-BF16 or AMX (measured 4x fp32 on avx512_bf16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alchemist.model.attention import AttentionMetadata, KVCache, Segment
+from alchemist.model.attention import AttentionMetadata, KVCache, Segment, attend
 from alchemist.model.loader import build_model
 
 
@@ -50,3 +50,28 @@ def _step(model, cache, seqs, slots, parts, got):
     for i, _, n in parts:
         got[i].append(logits[off : off + n])
         off += n
+
+
+def test_bf16_batched_decode_attention_is_the_attention_of_its_cached_values():
+    """In bf16 the CPU decode call runs on fp32 copies of the cache (the bf16 kernel is several times slower):
+    each sequence's decode row is the softmax attention of its own cached bf16 keys and values (computed here in
+    fp64), rounded once to bf16; grouped-query heads, a hole in the slots, different lengths."""
+    heads, kv_heads, dim = 6, 2, 16
+    lengths, slots = [37, 5, 20], [0, 2, 3]
+    placed = list(zip(slots, lengths, strict=True))
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(1, 4, 64, kv_heads, dim, torch.bfloat16)
+    keys = [torch.randn(n + 1, kv_heads, dim, generator=g).bfloat16() for n in lengths]
+    values = [torch.randn(n + 1, kv_heads, dim, generator=g).bfloat16() for n in lengths]
+    prefill = AttentionMetadata([Segment(slot=s, start=0, length=n) for s, n in placed], cache=cache)
+    q = torch.randn(sum(lengths), heads, dim, generator=g).bfloat16()
+    attend(0, q, torch.cat([k[:-1] for k in keys]), torch.cat([v[:-1] for v in values]), prefill)
+    decode = AttentionMetadata([Segment(slot=s, start=n, length=1) for s, n in placed], cache=cache)
+    q = torch.randn(len(lengths), heads, dim, generator=g).bfloat16()
+    out = attend(0, q, torch.cat([k[-1:] for k in keys]), torch.cat([v[-1:] for v in values]), decode).out
+    assert out.dtype == torch.bfloat16
+    for i in range(len(lengths)):
+        k, v = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (keys[i], values[i]))
+        probs = (torch.einsum("hd,khd->hk", q[i].double(), k) * dim**-0.5).softmax(-1)
+        expected = torch.einsum("hk,khd->hd", probs, v)
+        assert torch.allclose(out[i].double(), expected, rtol=8e-3, atol=8e-3), (out[i].double() - expected).abs().max()
