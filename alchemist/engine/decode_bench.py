@@ -16,6 +16,7 @@ import torch
 
 from alchemist.config import EngineConfig
 from alchemist.engine.engine import LLMEngine
+from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.engine.sequence import SamplingParams
 
 
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    keep_freed_memory()  # this process owns the allocator, as the server's does (engine/host_memory.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(

@@ -107,7 +107,8 @@ class AttentionMetadata:
 
     @cached_property
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """Index tensors and the additive mask for the batched decode call, over slots ``lo .. hi``."""
+        """Index tensors and the additive mask (in the call's dtype, ``decode_dtype``) for the batched decode call,
+        over slots ``lo .. hi``."""
         assert self.cache is not None
         device = self.cache.k[0].device
         segs = [s for s in self.segments if s.is_decode]
@@ -121,7 +122,7 @@ class AttentionMetadata:
         lengths = torch.ones(hi - lo, dtype=torch.long, device=device)
         lengths[slots - lo] = positions + 1
         allowed = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
-        mask = torch.zeros(allowed.shape, dtype=self.cache.k[0].dtype, device=device)
+        mask = torch.zeros(allowed.shape, dtype=decode_dtype(self.cache.k[0]), device=device)
         mask.masked_fill_(~allowed, float("-inf"))
         return slots, positions, mask[:, None, None, :], lo, max_len
 
@@ -202,20 +203,25 @@ def _write_cache(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
         cache.v[layer][slots, :, positions] = v[rows]
 
 
+def decode_dtype(cache: torch.Tensor) -> torch.dtype:
+    """The dtype of the batched decode call over a cache of this dtype and device: fp32 on a CPU without AMX, where
+    ATen's bf16 flash kernel ran one query per sequence 2.7-4.7x slower than its fp32 kernel on fp32 copies, the
+    copies included (``docs/profiles/decode_attention.py``; it accumulates in fp32 either way); else the cache's
+    own."""
+    return torch.float32 if cache.device.type == "cpu" and not cpu_has_amx_bf16() else cache.dtype
+
+
 def _decode_attention(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
-    """All decode tokens in one call over the cache view of slots lo .. hi (no copy of the cache)."""
+    """All decode tokens in one call over the cache view of slots lo .. hi (no copy of the cache, unless the call
+    runs in another dtype: ``decode_dtype``)."""
     cache = meta.cache
     assert cache is not None
     slots, _, mask, lo, max_len = meta._decode
-    span = mask.shape[0]
+    span, ct = mask.shape[0], mask.dtype
     rows = meta.decode_rows
-    q_span = q.new_zeros(span, q.shape[1], 1, q.shape[2])
-    q_span[slots - lo] = q[rows].unsqueeze(2)
-    ks = cache.k[layer][lo : lo + span, :, :max_len]
-    vs = cache.v[layer][lo : lo + span, :, :max_len]
-    # On a CPU without AMX, one query per sequence: ATen's bf16 flash kernel ran this 2-7x slower than its fp32
-    # kernel on fp32 copies, the copies included (docs/profiles/decode_attention.py); it accumulates in fp32 either
-    # way. (No-ops in fp32.)
-    ct = torch.float32 if q.device.type == "cpu" and not cpu_has_amx_bf16() else q.dtype
-    o, _ = sdpa(q_span.to(ct), ks.to(ct), vs.to(ct), is_causal=False, mask=mask.to(ct), scale=scale, need_lse=False)
+    q_span = q.new_zeros(span, q.shape[1], 1, q.shape[2], dtype=ct)
+    q_span[slots - lo] = q[rows].unsqueeze(2).to(ct)
+    ks = cache.k[layer][lo : lo + span, :, :max_len].to(ct)
+    vs = cache.v[layer][lo : lo + span, :, :max_len].to(ct)
+    o, _ = sdpa(q_span, ks, vs, is_causal=False, mask=mask, scale=scale, need_lse=False)
     out[rows] = o[slots - lo, :, 0].to(out.dtype)

@@ -22,5 +22,5 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_has_amx_bf16() -> bool:
     """AMX tiles for bf16: where ATen's CPU flash-attention kernels run bf16 at speed (without them, a one-query
-    bf16 call ran 2-7x slower than the fp32 kernel on fp32 copies: docs/profiles/decode_attention.py)."""
+    bf16 call ran 2.7-4.7x slower than the fp32 kernel on fp32 copies: docs/profiles/decode_attention.py)."""
     return "amx_bf16" in _flags()

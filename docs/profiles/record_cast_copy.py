@@ -7,11 +7,11 @@ cast-copied into bf16 buffers allocated once, for 30 layers, 2 threads, median o
 recording prefill adds, without the prefill around it.
 """
 
-import statistics
 import sys
-import time
 
 import torch
+
+from alchemist.bench.report import interleaved_medians
 
 torch.set_num_threads(2)
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 512
@@ -26,11 +26,6 @@ def record_all_layers() -> None:
             dst.copy_(src)
 
 
-record_all_layers()
-times = []
-for _ in range(11):
-    t0 = time.perf_counter()
-    record_all_layers()
-    times.append(time.perf_counter() - t0)
+seconds = interleaved_medians({"copies": record_all_layers}, 11)["copies"]
 mb = 30 * tokens * sum(widths) * (4 + 2) / 1e6
-print(f"{tokens} tokens: {mb:.0f} MB read + written, median {1e3 * statistics.median(times):.1f} ms")
+print(f"{tokens} tokens: {mb:.0f} MB read + written, median {1e3 * seconds:.1f} ms")
