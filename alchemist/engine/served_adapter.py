@@ -7,12 +7,16 @@ changes. Per layer and fused projection it keeps ``scaling * A^T`` (in, parts*r)
 a scaling and a concatenation: ``delta = (x @ (scaling * A^T)) @ B^T``, the sum ``LoraAdapter.delta`` computes
 (rounded differently: in fp32 they agree to about 1e-7 of the delta's magnitude, not bitwise).
 
-The delta is computed in fp32 (the adapter's master precision) even for a bf16 model, and cast to the model's
-dtype at the end: on this CPU a bf16 matmul of these small shapes costs about 30 us whatever its size (oneDNN's
-fixed cost), an fp32 one 2-7 us. Serving a bf16 copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step
-of SmolLM2 (1 thread, batch 1 and 8); this layout adds 8-17 ms (docs/architecture.md). That is what a recording
-forward pays; every other forward serves the adapter merged into the weights (``merged_weight``,
-``alchemist.engine.merged_adapter``) and pays nothing.
+For a bf16 model the delta's dtype depends on the rows: below ``FP32_MAX_ROWS`` rows (a decode step) it is
+computed in fp32 (the adapter's master precision) and cast to the model's dtype at the end, because a bf16 matmul
+of these small shapes costs about 30 us whatever its size (oneDNN's fixed cost), an fp32 one 2-7 us: serving a bf16
+copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step of SmolLM2 (1 thread, batch 1 and 8), this
+layout 8-17 ms (docs/architecture.md). From ``FP32_MAX_ROWS`` rows on (a prefill chunk) it is computed in bf16,
+like PEFT's (fp32 accumulation, xa and the delta rounded to bf16: the delta, not the output, loses about 2^-8 of
+itself): there the fp32 delta's (T, out) products cost 4.6x the bf16 delta's at 512 rows, and a recording
+prefill step of 256 tokens +37% over the base model's, +15% with the bf16 delta (docs/architecture.md, "Serving
+an adapter"). That is what a recording forward pays; every other forward serves the adapter merged into the
+weights (``merged_weight``, ``alchemist.engine.merged_adapter``) and pays nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from __future__ import annotations
 import torch
 
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, part_shapes
+
+# From this many rows a bf16 model's delta runs in bf16 (the fp32 and bf16 deltas of SmolLM2's four fused
+# projections on an AMD Zen 4: 146 vs 179 us at 16 rows, 249 vs 216 at 32, 4,594 vs 991 at 512).
+FP32_MAX_ROWS = 32
 
 
 class ServedAdapter:
@@ -46,14 +54,19 @@ class ServedAdapter:
                         col += width
                     at = (a.t() * scaling).to(device=device, dtype=self.dtype).contiguous()  # (in, parts*r)
                     self._weights[layer, fused] = (at, b.to(device=device, dtype=self.dtype))
+        # the same in the model's dtype, for deltas of many rows (none for an fp32 or fp64 model)
+        self._low = {} if model_dtype == self.dtype else {
+            key: (at.to(model_dtype), bt.to(model_dtype)) for key, (at, bt) in self._weights.items()}  # fmt: skip
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out), in x's dtype."""
         weights = self._weights.get((layer, name))
         if weights is None:
             return None
+        if self._low and x.shape[0] >= FP32_MAX_ROWS:
+            weights = self._low[layer, name]
         at, bt = weights
-        return torch.mm(torch.mm(x.to(self.dtype), at), bt).to(x.dtype)  # (T, in) @ (in, parts*r) @ (parts*r, out)
+        return torch.mm(torch.mm(x.to(at.dtype), at), bt).to(x.dtype)  # (T, in) @ (in, parts*r) @ (parts*r, out)
 
     def merged_weight(self, layer: int, name: str, base: torch.Tensor) -> torch.Tensor | None:
         """The fused projection's weight with the delta folded in, ``base + (A^T B^T)^T`` (out, in), computed in
@@ -66,4 +79,4 @@ class ServedAdapter:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor served (tests check they are the engine's own)."""
-        return [t for pair in self._weights.values() for t in pair]
+        return [t for weights in (self._weights, self._low) for pair in weights.values() for t in pair]

@@ -12,7 +12,7 @@ import torch
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
 from alchemist.engine.packed_ops import PackedLinearOps, packed_linear_supported
-from alchemist.engine.served_adapter import ServedAdapter
+from alchemist.engine.served_adapter import FP32_MAX_ROWS, ServedAdapter
 from alchemist.model.loader import build_model
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig, part_shapes
 from tests.engine.helpers import (
@@ -181,3 +181,25 @@ def test_served_delta_equals_the_adapters(tiny_model, targets):
             else:  # fp32 rounding apart (another summation order); zero columns where a part is not targeted
                 assert (got - want).abs().max() <= 1e-6 * want.abs().max()
                 assert torch.equal(got == 0, want == 0)
+
+
+def test_bf16_served_delta_of_many_rows_runs_in_bf16_close_to_fp32(tiny_model):
+    """A bf16 model's delta: in fp32 for few rows (a decode step), in bf16 from FP32_MAX_ROWS rows (a prefill
+    chunk), and then within bf16 rounding of the fp32 delta."""
+    adapter = LoraAdapter(tiny_model.config, LoraConfig(r=4, alpha=12.0), seed=9)
+    with torch.no_grad():
+        for b in adapter.B.values():
+            b.normal_()
+    exact = ServedAdapter(adapter, torch.float32, tiny_model.device)
+    served = ServedAdapter(adapter, torch.bfloat16, tiny_model.device)
+    shapes = part_shapes(tiny_model.config)
+    for name, parts in FUSED_PARTS.items():
+        for rows in (FP32_MAX_ROWS - 1, FP32_MAX_ROWS, 200):
+            x = torch.randn(rows, shapes[parts[0]][0]).bfloat16()
+            want, got = exact.delta(0, name, x.float()), served.delta(0, name, x)
+            assert got.dtype == torch.bfloat16
+            if rows < FP32_MAX_ROWS:  # the fp32 delta, rounded once
+                assert torch.equal(got, want.bfloat16())
+            else:  # A, xa and the delta each rounded to bf16: not the fp32 delta's rounding, within a few ulps
+                assert not torch.equal(got, want.bfloat16())
+                assert (got.float() - want).abs().max() <= 2**-6 * want.abs().max()
