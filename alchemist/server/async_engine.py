@@ -11,18 +11,18 @@ asyncio queues. A stream that is closed before its request finished (client disc
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
 loop calls them directly.
 
-Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine
-steps, in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this
-CPU; design note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns
-it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by default one slice
-after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in turns instead:
-once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus
-the slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after
-the slice in progress. Each switch finds the other side's data out of the caches, and a replay's slices are small
-(a layer): in ``bench online`` turns of 100 ms let the replay trainer train 23% and 30% faster under load (two
-pairs of runs), but serving's TPOT measured worse with them in every pair (docs/benchmarks.md), so they are off
-by default.
-With no request in flight training runs slice after slice, and a new request waits for one slice at most.
+Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine steps,
+in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this CPU; design
+note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns it ``step_s *
+share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by default one slice after an
+engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in turns instead: once it
+reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus the
+slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after the
+slice in progress, and one that arrived during a step is scheduled before any slice runs. Each switch finds the
+other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online`` turns of 100 ms
+let the replay trainer train 23% and 30% faster under load (two pairs of runs), but serving's TPOT measured worse
+with them in every pair (docs/benchmarks.md), so they are off by default. With no request in flight training runs
+slice after slice, and a new request waits for one slice at most.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
@@ -218,7 +218,8 @@ class AsyncEngine:
                 share = self.background_share
                 earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
                 self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
-                if self._credit_s > 0 and self._credit_s >= self.background_quantum_s:
+                due = self._credit_s > 0 and self._credit_s >= self.background_quantum_s
+                if due and not self.engine.has_arrivals():  # a request that arrived during the step goes first
                     self._run_turn()
 
     def _run_turn(self) -> None:

@@ -1,7 +1,8 @@
-"""Training beside serving takes its time in turns (``AsyncEngine``): while requests are in flight, training's
-credit is spent in runs of slices up to the quantum, not in a slice after every engine step; an arriving request
-ends a turn after the slice in progress. The engine is the real one over the tiny model; the background work is
-the test's own (slices of known length) behind the protocol the online trainer implements."""
+"""Training beside serving takes its time in turns (``AsyncEngine``): while requests are in flight, training's credit
+is spent in runs of slices up to the quantum, not in a slice after every engine step; an arriving request ends a
+turn after the slice in progress, and one that arrived during a step is scheduled before any slice. The engine is
+the real one over the tiny model; the background work is the test's own (slices of known length) behind the protocol
+the online trainer implements."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ class Slices:
     done (with serving idle, training runs slice after slice: not what is tested here). Logs slices and engine
     steps in the order they happen (both in the stepping thread). ``add_at``: the slice that adds a request."""
 
-    def __init__(self, engine: LLMEngine, add_at: int | None = None) -> None:
-        self.engine, self.add_at = engine, add_at
+    def __init__(self, engine: LLMEngine, add_at: int | None = None, add_at_step: int | None = None) -> None:
+        self.engine, self.add_at, self.add_at_step = engine, add_at, add_at_step
         self.events: list[tuple[str, float]] = []  # ("step", 0.0) | ("slice" or "slice+add", seconds)
         self.active = self.done = False
 
@@ -46,14 +47,18 @@ class Slices:
         return took
 
     def on_step(self, outputs) -> None:
-        self.events.append(("step", 0.0))
+        kind = "step"
+        if self.add_at_step is not None and sum(e[0] != "slice" for e in self.events) == self.add_at_step:
+            self.engine.add_request("arrival", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+            kind = "step+add"  # as if it arrived during the step: the next step schedules it
+        self.events.append((kind, 0.0))
         self.active = not self.done
 
     def turns(self) -> list[list[tuple[str, float]]]:
         """Runs of consecutive slices with an engine step after them."""
         turns, current = [], []
         for event in self.events:
-            if event[0] == "step":
+            if event[0].startswith("step"):
                 if current:
                     turns.append(current)
                 current = []
@@ -62,10 +67,10 @@ class Slices:
         return turns
 
 
-def serve(tiny_dirs, quantum_s: float, add_at: int | None = None) -> Slices:
+def serve(tiny_dirs, quantum_s: float, add_at: int | None = None, add_at_step: int | None = None) -> Slices:
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
     engine = LLMEngine(model, char_tokenizer(), EngineConfig(max_num_seqs=4, max_model_len=512))
-    work = Slices(engine, add_at)
+    work = Slices(engine, add_at, add_at_step)
 
     async def one_request() -> None:
         async_engine = AsyncEngine(
@@ -106,3 +111,11 @@ def test_an_arriving_request_ends_the_turn(tiny_dirs):
     turns = serve(tiny_dirs, 0.05, add_at=3).turns()  # a whole turn is >= 25 slices; the 4th adds a request
     assert turns[0][-1][0] == "slice+add" and len(turns[0]) == 4  # the first turn, cut short after the arrival
     assert all(sum(took for _, took in turn) >= 0.05 for turn in turns[1:])
+
+
+def test_a_request_that_arrived_during_a_step_is_scheduled_before_a_slice(tiny_dirs):
+    events = serve(tiny_dirs, 0.0, add_at_step=5).events
+    kinds = [kind for kind, _ in events]
+    at = kinds.index("step+add")
+    assert kinds[at + 1] == "step"  # the arrival's prefill comes first; the slice it would have had waits
+    assert "slice" in kinds[:at] and "slice" in kinds[at + 1 :]  # a slice follows steps before and after
