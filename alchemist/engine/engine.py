@@ -15,7 +15,10 @@ progress, so a caller that is not stepping sees the slot and blocks freed on ret
 
 Adapters: ``set_adapter(adapter, version)`` (any thread) serves a LoRA adapter from the start of the next step,
 ``set_adapter(None, 0)`` the base model again. It serves a frozen copy taken in the caller's thread, so the trainer
-may go on updating its own adapter in place. A step never mixes two adapters. A request in flight at a swap
+may go on updating its own adapter in place; its merge into the weights is then made over the next steps, a layer
+per step (``alchemist.engine.merged_adapter``). The thread that steps the engine may instead make the merge itself,
+between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on training's time).
+A step never mixes two adapters. A request in flight at a swap
 continues with the new adapter from the next step, but its prompt record and its outputs' ``adapter_version`` keep
 the version its prefill started with (the oldest it saw; a preemption restarts the prefill, and the version).
 
@@ -30,12 +33,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from alchemist.activations.recorder import Recorder
 from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine.block_manager import BlockManager
+from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.output import EngineStats, RequestOutput, RequestTimings
 from alchemist.engine.runner import ModelRunner
 from alchemist.engine.sampler import Sampler
@@ -59,7 +64,8 @@ class _Pending:
 
     adds: list[Sequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    adapter: tuple[ServedAdapter | None, int] | None = None  # the latest set_adapter (frozen copy, version)
+    # the latest set_adapter: (frozen copy, version, its merge if already made: set_adapter_slices)
+    adapter: tuple[ServedAdapter | None, int, MergedLinearOps | None] | None = None
 
 
 class LLMEngine:
@@ -140,23 +146,42 @@ class LLMEngine:
 
         The copy is taken here, in the caller's thread: changes to ``adapter`` after this returns are not served.
         """
+        self._queue_adapter(self._served(adapter, version), version, None)
+
+    def set_adapter_slices(self, adapter: LoraAdapter, version: int) -> Generator[None, None, None]:
+        """``set_adapter`` for the thread that steps the engine, in slices: the merge into the weights is made here,
+        a layer per slice (a generator: the caller runs other work, engine steps, between them), and served whole
+        from the first step after the last. Every forward meanwhile serves the previous adapter, so a swap costs
+        serving no merge steps and no forwards with the separate delta; the previous merge and the new one are both
+        held until then. The copy is taken before the first slice."""
+        served = self._served(adapter, version)
+        assert served is not None
+        merged = self.runner.new_merge(served)
+        while merged is not None and not merged.complete:
+            merged.merge_next()
+            yield
+        self._queue_adapter(served, version, merged)
+
+    def _served(self, adapter: LoraAdapter | None, version: int) -> ServedAdapter | None:
+        """The frozen copy to serve (None for the base model), after checking the arguments."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be an integer >= 0 (got {version!r})")
         if adapter is None:
             if version != 0:
                 raise ValueError(f"version must be 0 for the base model (adapter None; got {version})")
-            served = None
-        else:
-            if not isinstance(adapter, LoraAdapter):
-                raise ValueError(f"adapter must be a LoraAdapter or None (got {type(adapter).__name__})")
-            if version == 0:
-                raise ValueError("version 0 means the base model; give an adapter a version >= 1")
-            mine, theirs = self.model.config, adapter.model_config
-            if mine.num_layers != theirs.num_layers or part_shapes(mine) != part_shapes(theirs):
-                raise ValueError("adapter was made for a model of another shape (its model_config differs)")
-            served = ServedAdapter(adapter, self.model.dtype, self.model.device)
+            return None
+        if not isinstance(adapter, LoraAdapter):
+            raise ValueError(f"adapter must be a LoraAdapter or None (got {type(adapter).__name__})")
+        if version == 0:
+            raise ValueError("version 0 means the base model; give an adapter a version >= 1")
+        mine, theirs = self.model.config, adapter.model_config
+        if mine.num_layers != theirs.num_layers or part_shapes(mine) != part_shapes(theirs):
+            raise ValueError("adapter was made for a model of another shape (its model_config differs)")
+        return ServedAdapter(adapter, self.model.dtype, self.model.device)
+
+    def _queue_adapter(self, served: ServedAdapter | None, version: int, merged: MergedLinearOps | None) -> None:
         with self._lock:
-            self._pending.adapter = (served, version)
+            self._pending.adapter = (served, version, merged)
         self._apply_pending_if_idle()
 
     @property

@@ -11,10 +11,13 @@ A recording forward keeps the base weights and the separate delta, because a rec
 adds the delta of the adapter it trains, ``alchemist.training.replay``). The two forms agree to the rounding of
 ``W'`` to the model's dtype (bitwise in neither fp32 nor bf16; tests/engine/test_merged_adapter.py bounds it).
 
-Merging is spread over engine steps, one layer per step (``merge_next``; a bf16 SmolLM2 layer took 6.7 ms, the
-whole model 0.2 s: ``python docs/profiles/adapter_decode.py``): until every layer is merged the engine serves the
-separate delta, so a swap never stalls serving. Memory: one merged copy of the targeted projections (for SmolLM2
-in bf16, 212 MB), freed with the adapter it was made from; ``EngineConfig.merge_adapter`` turns merging off.
+Merging is spread over engine steps, one layer per step (``merge_next``; a bf16 SmolLM2 layer took 6.7 ms, the whole
+model 0.2 s: ``python docs/profiles/adapter_decode.py``): until every layer is merged the engine serves the separate
+delta, so a swap never stalls serving. The online trainer does better: it makes the merge in its own slices, a layer
+each, while the previous adapter serves, and swaps in the complete merge (``LLMEngine.set_adapter_slices``), so a
+publish costs serving neither the merge nor the separate delta's forwards. Memory: one merged copy of the targeted
+projections (for SmolLM2 in bf16, 212 MB; two while a merge is made in slices), freed with the adapter it was made
+from; ``EngineConfig.merge_adapter`` turns merging off.
 """
 
 from __future__ import annotations

@@ -55,13 +55,19 @@ class ModelRunner:
             self.ops = PackedLinearOps(model)
             self._packed_lm_head = pack(model.lm_head)
 
-    def set_adapter(self, adapter: ServedAdapter | None, version: int) -> None:
-        """Serves ``adapter`` from the next forward on (the engine calls it between steps only); its merge into the
-        weights starts over."""
+    def set_adapter(self, adapter: ServedAdapter | None, version: int, merged: MergedLinearOps | None = None) -> None:
+        """Serves ``adapter`` from the next forward on (the engine calls it between steps only), with ``merged``,
+        its merge made beforehand (``new_merge``), or else a merge that starts over, a layer per step."""
         self.adapter = adapter
         self.adapter_version = version
-        merge = adapter is not None and self.config.merge_adapter
-        self.merged = MergedLinearOps(self.model, adapter, self.ops, self._packed) if merge else None
+        self.merged = merged if merged is not None or adapter is None else self.new_merge(adapter)
+
+    def new_merge(self, adapter: ServedAdapter) -> MergedLinearOps | None:
+        """A merge of ``adapter`` into this runner's base weights, none of its layers merged yet (None if the
+        config turns merging off)."""
+        if not self.config.merge_adapter:
+            return None
+        return MergedLinearOps(self.model, adapter, self.ops, self._packed)
 
     def ops_for(self, batch: ScheduledBatch, meta: AttentionMetadata) -> Ops:
         """The ops object for this batch's forward: recording ops when a prompt chunk of a recorded request is in

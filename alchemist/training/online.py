@@ -223,7 +223,7 @@ class OnlineTrainer:
         self.stats.last_anchor_kl = kls[-1] if anchors else None
         # The batch's own time: its slices (serving steps ran in between), all but this last short one.
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
-        self.engine.set_adapter(self.adapter, self.version)
+        yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
         yield
         metrics = {
             "loss": losses[-1],

@@ -1,7 +1,8 @@
 """Serving the adapter merged into the weights (``alchemist.engine.merged_adapter``), on the tiny random model:
 the merge takes one layer per step and is used only once complete; merged forwards are those of a model whose
 weights are ``W + scaling * B A`` and agree with the separate delta to rounding; a recording forward keeps the base
-weights and the delta, so records stay base outputs; untargeted projections keep the base weights."""
+weights and the delta, so records stay base outputs; untargeted projections keep the base weights; a merge made
+beforehand in slices (the online trainer's publish) is served whole."""
 
 from __future__ import annotations
 
@@ -151,3 +152,28 @@ def test_without_merging_the_delta_serves_every_forward(make_engine, tiny_model)
     assert merged.runner.merged.complete and separate.runner.merged is None
     reference = greedy_reference(tiny_model, prompt, GREEDY.max_tokens, [adapter])
     assert [o.output_token_ids for o in separate.generate([prompt], GREEDY)] == [reference]
+
+
+def test_a_merge_made_in_slices_serves_whole_from_the_step_after_the_last(make_engine, tiny_model):
+    old, new = random_adapter(tiny_model, 16), random_adapter(tiny_model, 17)
+    engine = make_engine()
+    engine.set_adapter(old, 1)
+    prompt = random_prompts([9], seed=6)[0]
+    engine.generate([prompt], GREEDY)
+    serving = engine.runner.merged
+    assert serving.complete
+    engine.add_request("during", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    num_slices = 0
+    for _ in engine.set_adapter_slices(new, 2):  # the stepping thread's other work between slices: steps
+        num_slices += 1
+        engine.step()
+        assert engine.runner.merged is serving and engine.adapter_version == 1  # the old merge serves meanwhile
+    assert num_slices == tiny_model.config.num_layers
+    assert engine.adapter_version == 2
+    engine.step()  # the swap: complete at once, no merge steps after it
+    assert engine.runner.merged is not serving and engine.runner.merged.complete
+    run_to_end(engine)
+    calls = count_merged_calls(engine)
+    again = engine.generate([prompt], GREEDY)[0].output_token_ids
+    assert calls[0] == GREEDY.max_tokens * tiny_model.config.num_layers * 4  # every forward merged at once
+    assert again == greedy_reference(tiny_model, prompt, GREEDY.max_tokens, [new])
