@@ -20,10 +20,12 @@ rating 1 with ``--feedback rating``). After the last response, training drains u
 entry, or for at most ``--drain-s``. The default rate suits 2 vCPUs that serve in bf16; where the server runs in
 fp32 (a CPU without bf16 instructions) it saturates them: ``--request-rate 0.15`` there (docs/benchmarks.md).
 
-Client-side TTFT (to the first streamed content) and TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output
-tokens - 1). Training numbers are differences of the server's /metrics between the start of the load, its end
-(``*_load``) and the end of the drain: tokens trained (response tokens, once per epoch) per second of training
-slices, optimizer steps, sample passes replayed and recomputed.
+Client-side TTFT (to the first streamed content), TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output
+tokens - 1), and ITL, the gaps between a request's streamed content chunks, over all requests' gaps (a request's
+TPOT is the mean of its gaps; a training slice shows whole in the gap it falls in). Training numbers are
+differences of the server's /metrics between the start of the load, its end (``*_load``) and the end of the drain:
+tokens trained (response tokens, once per epoch) per second of training slices, optimizer steps, sample passes
+replayed and recomputed.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class RequestResult:
     e2e_s: float
     num_tokens: int
     feedback_seq: int | None  # the feedback entry's log position ("fb-<seq>"), if it got feedback
+    itl_s: list[float]  # the gaps between its streamed content chunks after the first (vLLM's ITL)
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
@@ -167,7 +170,8 @@ def trained_through(url: str) -> int:
 
 async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i: int) -> RequestResult:
     start = time.perf_counter()
-    first = None
+    first = last = None
+    gaps: list[float] = []
     num_tokens = 0
     response_id = None
     stream = await client.chat.completions.create(
@@ -176,8 +180,13 @@ async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i:
     )  # fmt: skip
     async for chunk in stream:
         response_id = chunk.id
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
         if chunk.usage is not None:
             num_tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
@@ -188,7 +197,7 @@ async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i:
         answer = await http.post(url + "/v1/feedback", json={"response_id": response_id, **work.feedback[i]})
         answer.raise_for_status()
         seq = int(answer.json()["id"].removeprefix("fb-"))
-    return RequestResult(first - start, end - start, num_tokens, seq)
+    return RequestResult(first - start, end - start, num_tokens, seq, gaps)
 
 
 def run_load(url: str, work: Workload, indices: list[int]) -> tuple[list[RequestResult | BaseException], float]:
@@ -250,6 +259,7 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(run: str, results: list[RequestResult], failed: int, duration_s: float) -> dict:
     ttft = [r.ttft_s for r in results]
     tpot = [(r.e2e_s - r.ttft_s) / (r.num_tokens - 1) for r in results]  # vLLM's TPOT
+    itl = [gap for r in results for gap in r.itl_s]  # every gap of every request: where a training slice shows
     tokens = sum(r.num_tokens for r in results)
     return {
         "run": run,
@@ -263,6 +273,8 @@ def summarize(run: str, results: list[RequestResult], failed: int, duration_s: f
         "ttft_p99_ms": _pct(ttft, 99),
         "tpot_p50_ms": _pct(tpot, 50),
         "tpot_p99_ms": _pct(tpot, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
     }
 
 

@@ -23,9 +23,11 @@ def test_bench_online_tiny():
     assert list(runs) == ["off", "replay", "recompute"]
     for r in runs.values():
         assert (r["requests"], r["failed"], r["feedback"]) == (4, 0, 2)
-        for field in ("load_s", "req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        latencies = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms")
+        for field in ("load_s", "req_s", "output_tok_s", *latencies):
             assert r[field] is not None and math.isfinite(r[field]) and r[field] > 0, (r["run"], field)
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+        assert r["itl_p50_ms"] <= r["itl_p99_ms"]
     assert all(runs["off"][f] is None for f in TRAINING_FIELDS)
     for name in ("replay", "recompute"):
         r = runs[name]
