@@ -37,7 +37,7 @@ from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
-from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward, prompt_kv
+from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward_slices, prompt_kv
 from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss
 from alchemist.training.slices import run_to_end
@@ -81,8 +81,9 @@ def replay_backward_slices(
     model: Llama, adapter: LoraAdapter, samples: Sequence[ReplaySample]
 ) -> Generator[None, None, list[float]]:
     """Replays several samples together, accumulating each one's ``loss_scale * dloss/dadapter``, in slices:
-    yields after each layer of the live forward, after each sample's loss and its backward, and after each layer
-    of the walk (the points where serving may preempt training); returns the samples' losses.
+    yields after each layer of the live forward, after each sample's loss and its backward, and twice in each layer
+    of the walk (``layer_backward_slices``; the points where serving may preempt training); returns the samples'
+    losses.
 
     The samples' rows go through every layer together (``Packing``: one matmul per weight for all of them),
     attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding."""
@@ -112,7 +113,7 @@ def replay_backward_slices(
     for layer in reversed(range(model.config.num_layers)):
         rec = PromptRecord([layers(layer) for layers in walk], pack.prompt, model.dtype)
         assert dh is not None
-        dh = layer_backward(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
+        dh = yield from layer_backward_slices(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
         if layer:
             yield
     return losses

@@ -73,8 +73,10 @@ for i, fb in enumerate(work.feedback):
 
 
 def where(job) -> str:
-    while True:  # down the generators (a wrapper that calls next() on one keeps it in its local "slices")
-        inner = job.gi_yieldfrom or (job.gi_frame.f_locals.get("slices") if job.gi_frame is not None else None)
+    while True:  # down the generators (a wrapper that calls next() on one keeps it in its local "slices", and
+        # torch's no_grad on a generator function in its local "gen")
+        local = job.gi_frame.f_locals if job.gi_frame is not None else {}
+        inner = job.gi_yieldfrom or local.get("slices") or local.get("gen")
         if not hasattr(inner, "gi_frame"):
             break
         job = inner

@@ -75,10 +75,10 @@ def test_replayed_together_equals_one_at_a_time(tiny_dirs, variant):
             break
         pauses += 1
     together = grads_of(adapter)
-    # serving may take a turn between any two layers of the live forward and of the walk, and around each
-    # sample's loss (the LM head): never more than one of these at a time
+    # serving may take a turn between any two layers of the live forward and of the walk, in the middle of each
+    # walk layer (after its MLP), and around each sample's loss (the LM head): never more than one of these at a time
     layers = model.config.num_layers
-    assert pauses == (layers - 1) + len(group) + 1 + (layers - 1)
+    assert pauses == (layers - 1) + len(group) + 1 + (2 * layers - 1)
 
     assert losses == pytest.approx(alone_losses, rel=1e-6)
     assert max_rel_l2(alone, together) <= 1e-5

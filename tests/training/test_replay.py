@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
+from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import replay_backward
+from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone, record_batched_chunked
 
@@ -161,3 +163,37 @@ def test_replay_runs_in_a_bf16_model_close_to_recompute(tiny_dirs):
     assert all(t.dtype == torch.float32 for t in got.values())  # fp32 masters keep fp32 gradients
     assert loss == pytest.approx(loss_ref, rel=1e-2)
     assert ((flat(ref) - flat(got)).norm() / flat(ref).norm()).item() < 0.05
+
+
+def test_replay_pauses_where_serving_may_run_and_serving_there_changes_nothing(tiny_dirs):
+    """The replay's slices: a pause after each layer of the live forward but the last, before each sample's loss and
+    after the last, and two in each layer of the walk (the MLP, then attention) but the last layer's end. A forward
+    of another sequence in every pause (what serving does there) leaves the gradients bitwise the same."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = lora_with_nonzero_b(model)
+    g = torch.Generator().manual_seed(5)
+    pairs = [(torch.randint(0, 256, (p,), generator=g), torch.randint(0, 256, (r,), generator=g)) for p, r in
+             ((20, 6), (9, 4))]  # fmt: skip
+    records = [record_alone(model, adapter, p) for p, _ in pairs]
+    samples = [ReplaySample(p, r, lambda layer, rec=rec: rec.layers[layer])
+               for (p, r), rec in zip(pairs, records, strict=True)]  # fmt: skip
+    other = torch.randint(0, 256, (12,), generator=g)
+
+    def run(serve_in_pauses: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        adapter.zero_grad(set_to_none=True)
+        slices, pauses = replay_backward_slices(model, adapter, samples), 0
+        while True:
+            try:
+                next(slices)
+            except StopIteration:
+                return pauses, grads_of(adapter)
+            pauses += 1
+            if serve_in_pauses:
+                with torch.inference_mode():
+                    model(other, torch.arange(len(other)), AttentionMetadata.single(len(other)), COMPUTE, adapter)
+
+    pauses, served = run(True)
+    layers = model.config.num_layers
+    assert pauses == (layers - 1) + (len(samples) + 1) + (2 * layers - 1)
+    _, alone = run(False)
+    assert all(torch.equal(served[k], alone[k]) for k in alone)

@@ -93,7 +93,8 @@ def test_corrupt_disk_record_is_recomputed_never_trained_on(model, adapter, samp
     trainer = Trainer(model, copy.deepcopy(adapter), store, TrainerConfig(prefetch_depth=0))
     slices = trainer.backward_slices(sample)
     if when == "during the walk":  # the walk began: the top layer's gradients are accumulated
-        for _ in range(model.config.num_layers + 2):  # the live forward's layers, the loss, its backward, a layer
+        for _ in range(model.config.num_layers + 3):  # the live forward's layers, the loss, its backward, a layer
+            # (in two slices: its MLP, then its attention and qkv)
             next(slices)
         assert trainer.adapter.A[f"{model.config.num_layers - 1}_qkv"].grad is not None
     flip_byte_of(path, "0.gate_up")
