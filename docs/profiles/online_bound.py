@@ -1,19 +1,20 @@
 """Profile (not a benchmark): the most replay can gain over recompute on `bench online`'s workload, and what it gets.
 
-    python docs/profiles/online_bound.py [repeats] [group size] [ops] [dtype]   # defaults: 3, 4, no ops, auto
+    python docs/profiles/online_bound.py [repeats] [group size] [ops] [dtype] [max prompt tokens]
+                                                                  # defaults: 3, 4, no ops, auto, 768
 
 ``ops``: then one more pass of each path under torch.profiler: self CPU time by op, and the matmuls by kind.
 
 The samples `alchemist bench online` trains with its defaults (its ``build_workload``: 48 ShareGPT multi-turn
-conversations, seed 0, prompts of at most 768 tokens, a correction of at most 128 tokens on half of them), trained
-as the server trains them (SmolLM2 in the dtype `--dtype auto` picks on this machine unless one is given, bf16
-records, LoRA r=16, groups of ``group size``), in process, without serving, anchors, updates or publishes. Times,
-interleaved over ``repeats`` (medians): ``recompute`` (all samples' backward with no store), ``replay`` (with every
-prompt's record in memory), and the training forward in the same groups with and without the prompt rows (each
-sample from its prompt's last token on): their difference is the share of the recompute step that replay can
-skip. As `bench train` defines it (with a prefill there), bound = recompute / (recompute - that share): replay /
-recompute throughput can reach it only if everything replay does besides skipping the prompt's forward costs
-nothing.
+conversations, seed 0, prompts of at most 768 tokens or ``max prompt tokens``, a correction of at most 128 tokens on
+half of them), trained as the server trains them (SmolLM2 in the dtype `--dtype auto` picks on this machine unless
+one is given, bf16 records, LoRA r=16, groups of ``group size``), in process, without serving, anchors, updates or
+publishes. Times, interleaved over ``repeats`` (medians): ``recompute`` (all samples' backward with no store),
+``replay`` (with every prompt's record in memory), and the training forward in the same groups with and without the
+prompt rows (each sample from its prompt's last token on): their difference is the share of the recompute step that
+replay can skip. As `bench train` defines it (with a prefill there), bound = recompute / (recompute - that share):
+replay / recompute throughput can reach it only if everything replay does besides skipping the prompt's forward
+costs nothing.
 """
 
 import argparse
@@ -38,11 +39,13 @@ repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 ops = len(sys.argv) > 3 and sys.argv[3] == "ops"
 dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
+max_prompt_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 768  # bench online's --max-prompt-tokens
 keep_freed_memory()  # as the CLI does
 loaded = load_model(None, dtype=dtype)
 model, tok = loaded.model, loaded.tokenizer
-defaults = argparse.Namespace(num_requests=48, seed=0, mode="multi_turn", max_prompt_tokens=768, max_tokens=128,
-                              request_rate=0.4, feedback_fraction=0.5, feedback="correction")  # fmt: skip
+defaults = argparse.Namespace(num_requests=48, seed=0, mode="multi_turn", max_prompt_tokens=max_prompt_tokens,
+                              max_tokens=128, request_rate=0.4, feedback_fraction=0.5,
+                              feedback="correction")  # fmt: skip
 work = build_workload(defaults, tok)
 samples = [
     Sample(tok.apply_chat_template(chat), tok.encode_reply(fb["correction"]), record_id=f"r{i}")
