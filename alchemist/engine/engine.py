@@ -17,10 +17,10 @@ Adapters: ``set_adapter(adapter, version)`` (any thread) serves a LoRA adapter f
 ``set_adapter(None, 0)`` the base model again. It serves a frozen copy taken in the caller's thread, so the trainer
 may go on updating its own adapter in place; its merge into the weights is then made over the next steps, a layer
 per step (``alchemist.engine.merged_adapter``). The thread that steps the engine may instead make the merge itself,
-between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on training's time).
-A step never mixes two adapters. A request in flight at a swap
-continues with the new adapter from the next step, but its prompt record and its outputs' ``adapter_version`` keep
-the version its prefill started with (the oldest it saw; a preemption restarts the prefill, and the version).
+between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on training's time). A
+step never mixes two adapters. A request in flight at a swap continues with the new adapter from the next step, but
+its prompt record and its outputs' ``adapter_version`` keep the version its prefill started with (the oldest it saw;
+a preemption restarts the prefill, and the version).
 
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
 model), and run no torch work in other threads. On this 2-core CPU, stepping in a second thread made a batch-8
