@@ -13,7 +13,7 @@ of these small shapes costs about 30 us whatever its size (oneDNN's fixed cost),
 copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step of SmolLM2 (1 thread, batch 1 and 8), this
 layout 8-17 ms (docs/architecture.md). From ``FP32_MAX_ROWS`` rows on (a prefill chunk) it is computed in bf16,
 like PEFT's (fp32 accumulation, xa and the delta rounded to bf16: the delta, not the output, loses about 2^-8 of
-itself): there the fp32 delta's (T, out) products cost 4.6x the bf16 delta's at 512 rows, and a recording
+itself): there the fp32 delta's (T, out) products cost 2.1x the bf16 delta's at 512 rows, and a recording
 prefill step of 256 tokens +37% over the base model's, +15% with the bf16 delta (docs/architecture.md, "Serving
 an adapter"). That is what a recording forward pays; every other forward serves the adapter merged into the
 weights (``merged_weight``, ``alchemist.engine.merged_adapter``) and pays nothing.
@@ -25,8 +25,9 @@ import torch
 
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, part_shapes
 
-# From this many rows a bf16 model's delta runs in bf16 (the fp32 and bf16 deltas of SmolLM2's four fused
-# projections on an AMD Zen 4: 146 vs 179 us at 16 rows, 249 vs 216 at 32, 4,594 vs 991 at 512).
+# From this many rows a bf16 model's delta runs in bf16: SmolLM2's four fused deltas on an AMD Zen 4, fp32 vs bf16,
+# 157 vs 212 us at 16 rows, even at 32 (244 / 243), 395 vs 304 at 64, 2.0 vs 1.0 ms at 512
+# (``python docs/profiles/adapter_prefill.py``, its last lines; two runs).
 FP32_MAX_ROWS = 32
 
 

@@ -36,7 +36,6 @@ from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation, apply_rotary, rotate_into
 from alchemist.training.live_attention import heads_first, live_attention_backward, rows_first
-from alchemist.training.slices import run_to_end
 
 
 class PromptRecord:
@@ -149,27 +148,6 @@ def prompt_kv(
         return apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), rot), v.view(-1, c.num_kv_heads, c.head_dim)
 
 
-def layer_backward(
-    model: Llama,
-    adapter: LoraAdapter,
-    layer: int,
-    rec: PromptRecord,
-    live: LiveLayer,
-    rot: Rotation,
-    dh_out: torch.Tensor,
-    pack: Packing | None = None,
-) -> torch.Tensor | None:
-    """Backward of layer ``layer`` over the n + R rows of the samples in ``pack`` (default: one sample, rows
-    0..n+R-1); accumulates the adapter's gradients.
-
-    rot: the rotation of the rows (in ``pack``'s order). dh_out: the gradient of the layer's output rows, (n + R, d),
-    or (R, d) at the top layer, where only the live rows' outputs feed the loss (the prompt rows matter there
-    through their keys and values only). Returns the gradient of the layer's input rows (n + R, d), None for layer
-    0 (its input is the frozen embedding).
-    """
-    return run_to_end(layer_backward_slices(model, adapter, layer, rec, live, rot, dh_out, pack))
-
-
 @torch.no_grad()  # (on a generator: grad mode is off only while its body runs, not while it is paused)
 def layer_backward_slices(
     model: Llama,
@@ -181,10 +159,18 @@ def layer_backward_slices(
     dh_out: torch.Tensor,
     pack: Packing | None = None,
 ) -> Generator[None, None, torch.Tensor | None]:
-    """``layer_backward`` in two slices: the MLP and the o-projection, then attention and the qkv projection;
-    yields once between them. A whole layer was the trainer's longest slice, and serving waits for the slice in
-    progress: on `bench online`'s samples in groups of 4 (SmolLM2 bf16, `python docs/profiles/online_slices.py`)
-    a layer took a median 70 ms, at most 163; the two halves take 30 and 39 ms, at most 68 and 77."""
+    """Backward of layer ``layer`` over the n + R rows of the samples in ``pack`` (default: one sample, rows
+    0..n+R-1); accumulates the adapter's gradients.
+
+    rot: the rotation of the rows (in ``pack``'s order). dh_out: the gradient of the layer's output rows, (n + R, d),
+    or (R, d) at the top layer, where only the live rows' outputs feed the loss (the prompt rows matter there
+    through their keys and values only). Returns the gradient of the layer's input rows (n + R, d), None for layer
+    0 (its input is the frozen embedding).
+
+    In two slices (a generator): the MLP and the o-projection, then attention and the qkv projection; it yields
+    once between them. A whole layer was the trainer's longest slice, and serving waits for the slice in progress:
+    on `bench online`'s samples in groups of 4 (SmolLM2 bf16, `python docs/profiles/online_slices.py`) a layer took
+    a median 70 ms, at most 163; the two halves take 30 and 39 ms, at most 68 and 77."""
     c, mod = model.config, model.layers[layer]
     n, num_live = rec.num_rows, live.h.shape[0]
     pack = pack or Packing([n], [num_live])

@@ -7,7 +7,9 @@ adapter, 8 requests decoding. Each round runs, in each mode, one engine step tha
 of ``prompt tokens`` next to the 8 decodes (a step of ``bench online``'s load): the base model (no adapter), and the
 adapter served (a recording forward adds it as a separate delta, ``alchemist.engine.served_adapter``; the decodes
 of other steps use the merged weights), and the same with the delta in fp32 at any number of rows (as it was
-served before: the bf16 delta of many rows). Prints the median step of each mode and the adapter's cost.
+served before: the bf16 delta of many rows). Prints the median step of each mode and the adapter's cost; then
+the delta alone, layer 0's four fused projections at 16-512 rows, in fp32 and in the model's dtype (from
+32 rows the served adapter uses the latter: ``FP32_MAX_ROWS``).
 """
 
 import copy
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from alchemist.bench.report import interleaved_medians
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.engine.host_memory import keep_freed_memory
@@ -60,3 +63,21 @@ print(f"{model.dtype}, a recorded prefill of {prompt_tokens} tokens next to 8 de
       f"mode (ms): {({mode: round(v, 1) for mode, v in med.items()})}; the adapter costs "
       f"{100 * (med['adapter'] / med['base'] - 1):+.1f}% (its delta in fp32: "
       f"{100 * (med['fp32 delta'] / med['base'] - 1):+.1f}%)")  # fmt: skip
+
+# The delta alone (what ``FP32_MAX_ROWS`` chooses by): layer 0's four fused deltas as ``ServedAdapter.delta``
+# computes them, with its fp32 weights and with its model-dtype ones, at a few row counts, interleaved.
+served = modes["adapter"][0]
+
+
+def deltas(weights: dict, xs: dict) -> None:
+    for name, x in xs.items():
+        at, bt = weights[0, name]
+        torch.mm(torch.mm(x.to(at.dtype), at), bt).to(x.dtype)
+
+
+for rows in (16, 32, 64, 128, 512):
+    xs = {name: torch.randn(rows, at.shape[0], generator=g).to(model.dtype)
+          for (layer, name), (at, _) in served._weights.items() if layer == 0}  # fmt: skip
+    us = interleaved_medians({"fp32": lambda xs=xs: deltas(served._weights, xs),
+                              str(model.dtype): lambda xs=xs: deltas(served._low, xs)}, 200)  # fmt: skip
+    print(f"the four fused deltas at {rows} rows: " + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in us.items()))
