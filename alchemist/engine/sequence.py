@@ -29,6 +29,7 @@ class SamplingParams:
     """How to pick tokens and when to stop. Bad values raise ValueError naming the field."""
 
     max_tokens: int | None = None  # None: up to the context length (max_model_len)
+    min_tokens: int = 0  # no stop token or stop string ends the request before this many output tokens
     temperature: float = 1.0  # 0: greedy (argmax)
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
@@ -42,6 +43,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer or None (got {self.max_tokens!r})")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -3,8 +3,9 @@ Alchemist's own /v1/feedback.
 
 Requests accept what the official ``openai`` client sends. Fields we do not implement are ignored (as vLLM
 does), except ``n`` > 1 and ``echo``/``suffix``/``best_of``, which change the answer's shape and are refused.
-Extras beyond OpenAI: ``top_k``, ``ignore_eos`` and ``alchemist: {"record": bool}`` (send them with the
-client's ``extra_body``).
+Extras beyond OpenAI: ``top_k``, ``ignore_eos``, ``min_tokens`` (vLLM's: no EOS, stop token or stop string ends
+the answer before that many tokens; at most ``max_tokens``) and ``alchemist: {"record": bool}`` (send them with
+the client's ``extra_body``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class SamplingRequest(OpenAIModel):
     n: int = 1
     user: str | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # <= max_tokens: checked by the service, which knows both
     alchemist: AlchemistOptions = Field(default_factory=AlchemistOptions)
 
     @field_validator("n")

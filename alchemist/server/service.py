@@ -200,8 +200,14 @@ class OpenAIServing:
         self, prefix: str, req: p.ChatCompletionRequest | p.CompletionRequest, prompt_ids: list[int], prompt_param: str
     ) -> tuple[str, RequestStream, Accumulator]:
         self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
+        if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
+            # Here rather than in SamplingParams, so that the 400 names the field (param).
+            raise InvalidRequestError(
+                f"min_tokens={req.min_tokens} must be <= max_tokens={req.max_new_tokens}", "min_tokens"
+            )
         params = SamplingParams(
             max_tokens=req.max_new_tokens,
+            min_tokens=req.min_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=max(req.top_k, 0),

@@ -61,6 +61,9 @@ def test_malformed_requests_are_400(server, body, param):
         (dict(messages=HELLO, n=2), "n"),
         (dict(messages=HELLO, temperature=-1), "temperature"),
         (dict(messages=HELLO, top_logprobs=50, logprobs=True), "top_logprobs"),
+        (dict(messages=HELLO, extra_body={"min_tokens": -1}), "min_tokens"),
+        (dict(messages=HELLO, max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),  # more than max_tokens
+        (dict(messages=HELLO, max_completion_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
     ],
 )
 def test_invalid_parameters_are_400(server, client, kwargs, param):
@@ -68,6 +71,13 @@ def test_invalid_parameters_are_400(server, client, kwargs, param):
         client.chat.completions.create(model=MODEL_NAME, **kwargs)
     assert info.value.status_code == 400
     assert info.value.body["param"] == param
+    assert_still_serving(server)
+
+
+def test_min_tokens_over_max_tokens_is_400_on_completions_too(server, client):
+    with pytest.raises(openai.BadRequestError) as info:  # max_tokens defaults to 16 on completions
+        client.completions.create(model=MODEL_NAME, prompt="hi", extra_body={"min_tokens": 17})
+    assert info.value.body["param"] == "min_tokens" and "min_tokens=17" in info.value.body["message"]
     assert_still_serving(server)
 
 
