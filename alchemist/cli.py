@@ -284,15 +284,36 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _register_bench_serve(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser("serve", help="serving throughput, TTFT, TPOT: engine, HTTP server, transformers")
-    _add_model_flags(p)
+    p = bsub.add_parser(
+        "serve", help="ShareGPT chat load on an OpenAI-compatible server (ours by default): tokens/s, TTFT, TPOT, ITL"
+    )
+    p.add_argument(
+        "--base-url", default=None, help="the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (default: "
+        "start `alchemist serve` here)"
+    )  # fmt: skip
+    p.add_argument("--model", default=None, help="the model name requests carry (default: the first of GET /models)")
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, else 'unused'")
+    p.add_argument(
+        "--model-path", default=None, help="HF model directory or .gguf: of the server started here, of the engine "
+        "and transformers systems, and the tokenizer that counts prompt tokens (default: SmolLM2-135M-Instruct)"
+    )  # fmt: skip
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of what runs here")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (of what runs here)")
+    p.add_argument(
+        "--workloads", "--workload", nargs="+", default=["first_turn"], help="first_turn (ShareGPT first user turns) "
+        "and/or multi_turn (conversations continued turn by turn with the server's replies)"
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument(
+        "--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4; multi_turn: "
+        "whole conversations until their turns reach it)"
+    )  # fmt: skip
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts longer are skipped (multi_turn: cut)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request (EOS ignored)")
-    p.add_argument("--systems", nargs="+", default=["transformers", "engine", "http"])
-    p.add_argument("--compile", action="store_true", help="torch.compile our forward (engine and server)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reuse-prompts", action="store_true", help="every level of a workload sends the same prompts")
+    p.add_argument("--systems", nargs="+", default=["http"], help="http, and in process: engine, transformers")
+    p.add_argument("--compile", action="store_true", help="torch.compile our forward (engine and our server)")
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
 

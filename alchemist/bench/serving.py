@@ -1,97 +1,133 @@
-"""`alchemist bench serve`: output tokens/s, TTFT and TPOT at 1, 8 and 32 concurrent requests, three ways.
+"""`alchemist bench serve`: ShareGPT chat load on an OpenAI-compatible server, ours by default or any other (as
+`vllm bench serve` does): output tokens/s, TTFT, TPOT and ITL per workload and concurrency.
 
-    alchemist bench serve [--json] [--concurrency 1 8 32] [--dtype auto] [--systems transformers engine http]
+    alchemist bench serve [--base-url http://HOST:PORT/v1] [--model NAME] [--workloads first_turn multi_turn]
+                          [--concurrency 1 8 32] [--requests-per-level 2] [--max-tokens 128] [--max-prompt-tokens 512]
+                          [--reuse-prompts] [--systems http engine transformers] [--json]
 
-Prompts are ShareGPT first user turns (chat-templated, at most ``--max-prompt-tokens``); every request asks for
-exactly ``--max-tokens`` greedy tokens (EOS ignored), so all systems produce the same number of tokens.
+Systems (``--systems``, default ``http``):
 
-- ``engine``: our LLMEngine driven in this process (add_request / step), ``c`` requests in flight.
-- ``http``: our server as a real process (``alchemist serve``), the official ``openai`` client streaming from
-  this process, ``c`` requests in flight. On a small machine the client shares the CPU with the server.
-- ``transformers``: ``generate`` on the same HF directory and dtype; requests in static batches of ``c``,
-  left-padded (transformers has no continuous batching), one batch after the other.
+- ``http``: the server at ``--base-url`` (vLLM, another Alchemist, ...; a URL without a path gets ``/v1``), or
+  without it `alchemist serve` started here as a subprocess (``--model-path``, ``--dtype``, ``--device``,
+  ``--compile``; ``--max-num-seqs`` the largest concurrency). The requests name ``--model``, by default the first
+  id of GET /v1/models. The client is ``chat_load``: ``c`` closed-loop clients. On a small machine they share the
+  CPU with a local server.
+- ``engine``, ``transformers``: the first_turn workload in this process, without HTTP (``inprocess``); with them,
+  every row also gets its throughput relative to theirs (``x_engine``, ``x_transformers``).
 
-A closed loop: a finished request is replaced at once, until ``--requests-per-level`` x ``c`` have run (at
-least 4). TTFT counts from the request's submission; TPOT is (last token - first token) / (tokens - 1).
+Workloads (``--workloads``, default ``first_turn``): ShareGPT conversations from a seeded shuffle (``--seed``).
+``first_turn``: each request is a conversation's first user turn. ``multi_turn``: each client plays a conversation
+of at least two turns, turn by turn, the history with the replies the server returned as the prompt, so prefix
+reuse shows; a conversation is cut before the first turn whose prompt, counting ``--max-tokens`` per earlier reply,
+would exceed ``--max-prompt-tokens``. Prompt lengths are counted with our tokenizer of ``--model-path`` (the default
+model: a peer serving the same model sees the same lengths). A level runs ``--requests-per-level`` x ``c`` requests
+(at least 4; multi_turn: whole conversations until their turns reach that). Every level draws its own
+conversations, the next ones in the shuffle, so no prompt repeats across levels or workloads (a server's prefix
+cache cannot help one level with another's prompts), unless ``--reuse-prompts``: then the levels of a workload
+share theirs.
+
+Every request asks for exactly ``--max-tokens`` greedy tokens (``max_tokens``, and ``ignore_eos`` with
+``min_tokens`` where the server takes them); the tokens counted are those the streamed usage reports. TTFT is
+to the first streamed content, TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output tokens - 1), ITL the
+gaps between a request's streamed content chunks, over all requests' gaps; all from the request's submission.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import numpy as np
-import torch
 
+from alchemist.bench.chat_load import Chat, RequestResult, first_model_id, run_chats
 from alchemist.bench.report import print_rows
-from alchemist.bench.sharegpt import sample_requests
-from alchemist.model.loader import load_model, resolve_device, resolve_dtype
+from alchemist.bench.sharegpt import Conversation, shuffled_conversations
 
-SYSTEMS = ("transformers", "engine", "http")
+SYSTEMS = ("transformers", "engine", "http")  # the order they run in
+WORKLOADS = ("first_turn", "multi_turn")
+TURNS = {"first_turn": (1, 1), "multi_turn": (2, None)}  # user turns of a conversation: (at least, at most)
+MIN_REQUESTS = 4
+# Our server's context beyond --max-prompt-tokens + --max-tokens: a multi_turn prompt is estimated with
+# max_tokens per earlier reply, and a reply's text re-encoded in the history may take a few tokens more.
+CONTEXT_SLACK_TOKENS = 64
+WARMUP_TOKENS = 4
+STARTUP_TIMEOUT_S = 300.0
+
+
+# --- the workload -----------------------------------------------------------------------------------------------
 
 
 @dataclass
-class RequestResult:
-    ttft_s: float
-    tpot_s: float
-    num_tokens: int
+class Plan:
+    warmup: Chat  # sent before each system's first level, not measured
+    cells: dict[tuple[str, int], list[Chat]]  # (workload, concurrency) -> its conversations, in run order
+    prompt_tokens: dict[str, list[int]]  # per workload: each turn's prompt length (estimated after the first)
 
 
-def summarize(system: str, concurrency: int, results: list[RequestResult], duration_s: float) -> dict:
-    ttft_ms = np.array([r.ttft_s for r in results]) * 1e3
-    tpot_ms = np.array([r.tpot_s for r in results]) * 1e3
-    tokens = sum(r.num_tokens for r in results)
-    return {
-        "system": system,
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tokens": tokens,
-        "duration_s": round(duration_s, 2),
-        "output_tok_s": round(tokens / duration_s, 1),
-        "ttft_p50_ms": round(float(np.percentile(ttft_ms, 50)), 1),
-        "ttft_p99_ms": round(float(np.percentile(ttft_ms, 99)), 1),
-        "tpot_p50_ms": round(float(np.percentile(tpot_ms, 50)), 1),
-        "tpot_p99_ms": round(float(np.percentile(tpot_ms, 99)), 1),
-    }
+def fitting_turns(
+    conversation: Conversation, tokenizer, max_prompt_tokens: int, max_tokens: int, max_turns: int | None
+) -> tuple[list[str], list[int]]:
+    """The user turns from the first whose prompts fit ``max_prompt_tokens``, and those prompts' lengths: the
+    chat-templated history, with an empty reply standing for each earlier one plus ``max_tokens`` for its text."""
+    messages: list[dict] = []
+    turns, lengths = [], []
+    for k, (user, _) in enumerate(conversation.exchanges()[:max_turns]):
+        messages.append({"role": "user", "content": user})
+        n = len(tokenizer.apply_chat_template(messages)) + k * max_tokens
+        if n > max_prompt_tokens:
+            break
+        turns.append(user)
+        lengths.append(n)
+        messages.append({"role": "assistant", "content": ""})
+    return turns, lengths
 
 
-# --- our engine, in process ---------------------------------------------------------------------------------------
+def plan_workloads(args: argparse.Namespace, tokenizer) -> Plan:
+    conversations = shuffled_conversations(args.seed)
+    prompt_tokens: dict[str, list[int]] = {w: [] for w in args.workloads}
+
+    def draw(workload: str) -> tuple[Chat, list[int]]:
+        """The next conversation in the shuffle that makes a ``workload`` chat, and its prompts' lengths."""
+        least, most = TURNS[workload]
+        for conversation in conversations:
+            turns, lengths = fitting_turns(conversation, tokenizer, args.max_prompt_tokens, args.max_tokens, most)
+            if len(turns) >= least:
+                return Chat(tuple(turns)), lengths
+        raise ValueError(
+            f"ShareGPT ran out of {workload} conversations that fit --max-prompt-tokens {args.max_prompt_tokens}; "
+            "lower --requests-per-level or --concurrency, raise --max-prompt-tokens or pass --reuse-prompts"
+        )
+
+    warmup, _ = draw("first_turn")
+    cells = {}
+    for workload in args.workloads:
+        pool: list[Chat] = []  # with --reuse-prompts, every level takes its conversations from the start of it
+        for c in sorted(set(args.concurrency)):
+            if not args.reuse_prompts:
+                pool = []
+            wanted = max(MIN_REQUESTS, args.requests_per_level * c)
+            chats: list[Chat] = []
+            # At least c conversations, or some of the c clients would have none to play.
+            while sum(len(chat.turns) for chat in chats) < wanted or len(chats) < c:
+                if len(chats) == len(pool):
+                    chat, lengths = draw(workload)
+                    pool.append(chat)
+                    prompt_tokens[workload] += lengths
+                chats.append(pool[len(chats)])
+            cells[(workload, c)] = chats
+    return Plan(warmup, cells, prompt_tokens)
 
 
-def run_engine(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list, float]:
-    from alchemist.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    queue = deque(enumerate(prompts))
-    results: list[RequestResult] = []
-    start = time.perf_counter()
-
-    def submit() -> None:
-        i, prompt = queue.popleft()
-        engine.add_request(f"bench-{concurrency}-{i}", prompt, params)
-
-    for _ in range(min(concurrency, len(queue))):
-        submit()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                t = out.timings
-                results.append(RequestResult(t.ttft_s, t.tpot_s, len(out.output_token_ids)))
-                if queue:
-                    submit()
-    return results, time.perf_counter() - start
-
-
-# --- our server, over HTTP --------------------------------------------------------------------------------------
+# --- our server, as a process -----------------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -100,161 +136,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, max_num_seqs: int, max_model_len: int) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, max_num_seqs: int, max_model_len: int, data_dir: str):
+    """`alchemist serve` on a free port; (the process, its base URL with /v1) once /health answers."""
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", args.dtype, "--device", args.device]
-    cmd += ["--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs)]
-    cmd += ["--max-model-len", str(max_model_len), *(["--model", args.model] if args.model else [])]
+    cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    cmd += ["--data-dir", data_dir, *(["--model", args.model_path] if args.model_path else [])]
     cmd += ["--compile"] if args.compile else []
     log = tempfile.NamedTemporaryFile(prefix="alchemist-bench-serve-", suffix=".log", delete=False)
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
+                print(f"# server log {log.name}", file=sys.stderr)
+                return process, url + "/v1"
         except httpx.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server did not start within 300 s; see {log.name}")
-
-
-async def _http_one(client, messages: list[dict], max_tokens: int, sem: asyncio.Semaphore) -> RequestResult:
-    async with sem:
-        start = time.perf_counter()
-        first = last = None
-        num_tokens = 0
-        stream = await client.chat.completions.create(
-            model="bench", messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                last = time.perf_counter()
-                first = first or last
-            if chunk.usage is not None:
-                num_tokens = chunk.usage.completion_tokens
-        assert first is not None and last is not None and num_tokens == max_tokens
-        return RequestResult(first - start, (last - first) / max(num_tokens - 1, 1), num_tokens)
-
-
-def run_http(url: str, chats: list[list[dict]], max_tokens: int, concurrency: int) -> tuple[list, float]:
-    import openai
-
-    async def main() -> tuple[list, float]:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-        sem = asyncio.Semaphore(concurrency)
-        start = time.perf_counter()
-        results = await asyncio.gather(*(_http_one(client, m, max_tokens, sem) for m in chats))
-        duration = time.perf_counter() - start
-        await client.close()
-        return list(results), duration
-
-    return asyncio.run(main())
-
-
-# --- transformers generate --------------------------------------------------------------------------------------
-
-
-def run_transformers(model, prompts: list[list[int]], max_tokens: int, concurrency: int, pad_id: int):
-    from transformers import LogitsProcessor
-
-    class StepClock(LogitsProcessor):
-        """Called once per generated position, right after that position's forward: its token time."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            self.times.append(time.perf_counter())
-            return scores
-
-    results: list[RequestResult] = []
-    total_s = 0.0
-    for i in range(0, len(prompts), concurrency):
-        batch = prompts[i : i + concurrency]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        clock = StepClock()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, logits_processor=[clock], pad_token_id=pad_id,
-            )  # fmt: skip
-        end = time.perf_counter()
-        total_s += end - start
-        assert out.shape[1] - width == max_tokens
-        tpot = (end - clock.times[0]) / max(max_tokens - 1, 1)
-        results += [RequestResult(clock.times[0] - start, tpot, max_tokens) for _ in batch]
-    return results, total_s
-
-
-# --- driver -----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Workload:
-    chats: list[list[dict]]  # what the HTTP client sends
-    prompts: list[list[int]]  # the same, chat-templated: what the engine and transformers get
-    warmup_chat: list[dict]
-    max_tokens: int
-    num_requests: dict[int, int]  # concurrency -> requests run at that level
-
-    def levels(self) -> list[int]:
-        return sorted(self.num_requests)
-
-
-def bench_transformers(args: argparse.Namespace, loaded, work: Workload) -> list[dict]:
-    import transformers
-
-    dtype = loaded.model.dtype
-    ref = transformers.AutoModelForCausalLM.from_pretrained(loaded.hf_dir, dtype=dtype).to(loaded.model.device).eval()
-    hf_tok = loaded.tokenizer.hf
-    pad_id = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else loaded.tokenizer.eos_token_ids[0]
-    run_transformers(ref, work.prompts[:1], 4, 1, pad_id)  # warm-up
-    rows = []
-    for c in work.levels():
-        results = run_transformers(ref, work.prompts[: work.num_requests[c]], work.max_tokens, c, pad_id)
-        rows.append(summarize("transformers", c, *results))
-        print_rows(rows[-1:], True, sys.stderr)
-    return rows
-
-
-def bench_engine(args: argparse.Namespace, loaded, work: Workload) -> list[dict]:
-    from alchemist.config import EngineConfig
-    from alchemist.engine import LLMEngine
-
-    max_model_len = args.max_prompt_tokens + work.max_tokens
-    config = EngineConfig(max_num_seqs=max(work.levels()), max_model_len=max_model_len, compile=args.compile)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, config)
-    run_engine(engine, [loaded.tokenizer.apply_chat_template(work.warmup_chat)], 4, 1)
-    rows = []
-    for c in work.levels():
-        results = run_engine(engine, work.prompts[: work.num_requests[c]], work.max_tokens, c)
-        rows.append(summarize("engine", c, *results))
-        print_rows(rows[-1:], True, sys.stderr)
-    return rows
-
-
-def bench_http(args: argparse.Namespace, loaded, work: Workload) -> list[dict]:
-    process, url = start_server(args, max(work.levels()), args.max_prompt_tokens + work.max_tokens)
-    rows = []
-    try:
-        run_http(url, [work.warmup_chat], 4, 1)
-        for c in work.levels():
-            results = run_http(url, work.chats[: work.num_requests[c]], work.max_tokens, c)
-            rows.append(summarize("http", c, *results))
-            print_rows(rows[-1:], True, sys.stderr)
-    finally:
-        stop_process(process)
-    return rows
+            pass
+        time.sleep(0.2)
+    stop_process(process)
+    raise RuntimeError(f"server did not start within {STARTUP_TIMEOUT_S:.0f} s; see {log.name}")
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> None:
@@ -267,46 +174,159 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> None:
         process.wait()
 
 
-BENCHES = {"transformers": bench_transformers, "engine": bench_engine, "http": bench_http}
+# --- the systems ------------------------------------------------------------------------------------------------
+
+
+def bench_http(args: argparse.Namespace, plan: Plan) -> list[dict]:
+    process, data_dir, base_url = None, None, args.base_url
+    if base_url is None:
+        data_dir = tempfile.mkdtemp(prefix="alchemist-bench-serve-data-")
+        max_model_len = args.max_prompt_tokens + args.max_tokens + CONTEXT_SLACK_TOKENS
+        process, base_url = start_server(args, max(args.concurrency), max_model_len, data_dir)
+    rows = []
+    try:
+        model = args.model or first_model_id(base_url, args.api_key)
+        print(f"# http: {base_url}, model {model!r}", file=sys.stderr)
+        _, errors, _ = run_chats(base_url, model, [plan.warmup], WARMUP_TOKENS, 1, args.api_key)
+        if errors:
+            raise RuntimeError(f"the warm-up request to {base_url} failed: {type(errors[0]).__name__}: {errors[0]}")
+        for (workload, c), chats in plan.cells.items():
+            results, errors, duration_s = run_chats(base_url, model, chats, args.max_tokens, c, args.api_key)
+            for e in errors[:3]:
+                print(f"# http {workload} c={c}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append(summarize("http", workload, c, results, len(errors), duration_s))
+            print_rows(rows[-1:], True, sys.stderr)
+    finally:
+        if process is not None:
+            stop_process(process)
+            shutil.rmtree(data_dir, ignore_errors=True)
+    return rows
+
+
+def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -> list[dict]:
+    """The engine and transformers rows (first_turn only: a multi_turn history needs a server's replies)."""
+    from alchemist.bench import inprocess
+    from alchemist.model.loader import load_model, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    loaded = load_model(args.model_path, dtype=resolve_dtype(args.dtype, device), device=device)
+    template = lambda chat: loaded.tokenizer.apply_chat_template([{"role": "user", "content": chat.turns[0]}])
+    prompts = {c: [template(chat) for chat in chats] for (w, c), chats in plan.cells.items() if w == "first_turn"}
+    warmup = template(plan.warmup)
+    max_model_len = args.max_prompt_tokens + args.max_tokens
+    levels = {
+        "transformers": lambda: inprocess.bench_transformers(loaded, warmup, prompts, args.max_tokens),
+        "engine": lambda: inprocess.bench_engine(loaded, warmup, prompts, args.max_tokens, max_model_len, args.compile),
+    }
+    if "multi_turn" in args.workloads:
+        print("# engine, transformers: first_turn rows only", file=sys.stderr)
+    rows = []
+    for system in SYSTEMS:
+        if system in systems and system in levels:
+            for c, results, duration_s in levels[system]():
+                rows.append(summarize(system, "first_turn", c, results, 0, duration_s))
+                print_rows(rows[-1:], True, sys.stderr)
+    return rows
+
+
+# --- the report -------------------------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
+
+
+def summarize(
+    system: str, workload: str, concurrency: int, results: list[RequestResult], failed: int, duration_s: float
+) -> dict:
+    ttft = [r.ttft_s for r in results]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.num_tokens - 1) for r in results if r.num_tokens > 1]  # vLLM's TPOT
+    itl = [gap for r in results for gap in r.itl_s]
+    tokens = sum(r.num_tokens for r in results)
+    return {
+        "system": system,
+        "workload": workload,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "failed": failed,
+        "output_tokens": tokens,
+        "prompt_tokens_mean": round(float(np.mean([r.prompt_tokens for r in results])), 1) if results else None,
+        "duration_s": round(duration_s, 2),
+        "output_tok_s": round(tokens / duration_s, 1),
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "tpot_p50_ms": _pct(tpot, 50),
+        "tpot_p99_ms": _pct(tpot, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
+    }
+
+
+def add_ratios(rows: list[dict], bases: list[str]) -> None:
+    """Each row's throughput relative to each base system's at the same workload and concurrency."""
+    by = {(r["system"], r["workload"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    for r in rows:
+        for base in bases:
+            ref = by.get((base, r["workload"], r["concurrency"]))
+            r[f"x_{base}"] = round(r["output_tok_s"] / ref, 2) if ref else None
+
+
+def describe(args: argparse.Namespace, plan: Plan) -> str:
+    """The note line: what was sent, and the machine it was measured on."""
+    parts = []
+    for workload in args.workloads:
+        chats = {id(chat): chat for (w, _), cell in plan.cells.items() if w == workload for chat in cell}
+        lengths = plan.prompt_tokens[workload]
+        parts.append(
+            f"{workload}: {len(chats)} conversations, {sum(len(c.turns) for c in chats.values())} distinct turns, "
+            f"prompt tokens mean {np.mean(lengths):.0f} max {max(lengths)}"
+            + (" (estimated after the first turn)" if workload == "multi_turn" else "")
+        )
+    target = f"target {args.base_url or 'alchemist serve started here'}; " if "http" in args.systems else ""
+    machine = ""
+    if args.base_url is None or set(args.systems) != {"http"}:  # something runs here: in which dtype
+        from alchemist.model.loader import resolve_device, resolve_dtype
+
+        dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+        machine = f"dtype {str(dtype).removeprefix('torch.')}, "
+    return (
+        f"# ShareGPT (seed {args.seed}{', prompts reused across levels' if args.reuse_prompts else ''}): "
+        f"{'; '.join(parts)}; {args.max_tokens} greedy output tokens each (EOS ignored); {target}"
+        f"{machine}{os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}, load average at start {os.getloadavg()[0]:.1f}"
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for flag in ("concurrency", "requests_per_level", "max_tokens", "max_prompt_tokens"):
+        values = getattr(args, flag)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {values}")
+    for flag, values, known in (("systems", args.systems, SYSTEMS), ("workloads", args.workloads, WORKLOADS)):
+        for value in values:
+            if value not in known:
+                raise ValueError(f"--{flag}: unknown {value!r}; choose from {list(known)}")
+    if set(args.systems) - {"http"} and "first_turn" not in args.workloads:
+        raise ValueError("--systems engine and transformers run the first_turn workload only; add it to --workloads")
+    if args.base_url is not None and urlparse(args.base_url).path in ("", "/"):
+        args.base_url = args.base_url.rstrip("/") + "/v1"  # the OpenAI API's root, as a client's base_url has it
+    args.workloads = list(dict.fromkeys(args.workloads))  # the order given, once each
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY", "unused")
 
 
 def main(args: argparse.Namespace) -> int:
-    for system in args.systems:
-        if system not in BENCHES:
-            raise ValueError(f"--systems: unknown system {system!r}; choose from {list(BENCHES)}")
-    device = resolve_device(args.device)
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
-    num_requests = {c: max(4, args.requests_per_level * c) for c in sorted(set(args.concurrency))}
-    samples = sample_requests(
-        max(num_requests.values()) + 1, seed=args.seed, mode="first_turn", tokenizer=loaded.tokenizer,
-        max_prompt_tokens=args.max_prompt_tokens,
-    )  # fmt: skip
-    chats = [s.messages for s in samples[1:]]
-    prompts = [loaded.tokenizer.apply_chat_template(m) for m in chats]
-    work = Workload(chats, prompts, samples[0].messages, args.max_tokens, num_requests)
-    note = (
-        f"# {len(prompts)} ShareGPT first turns (prompt tokens mean {np.mean([len(p) for p in prompts]):.0f}, "
-        f"max {max(map(len, prompts))}), {args.max_tokens} greedy output tokens each (EOS ignored), "
-        f"dtype {str(loaded.model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} torch threads, "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
-        f"{os.getloadavg()[0]:.1f}"
-    )
+    from alchemist.model.loader import hf_dir_for
+    from alchemist.model.tokenizer import Tokenizer
+
+    check_args(args)
+    plan = plan_workloads(args, Tokenizer.from_pretrained(hf_dir_for(args.model_path)))
+    note = describe(args, plan)
     print(note, file=sys.stderr)
-    rows = []
-    for system in BENCHES:  # this order: transformers, engine, http (the server is a separate process)
-        if system in args.systems:
-            rows += BENCHES[system](args, loaded, work)
-    add_ratios(rows)
+    rows = bench_in_process(args, plan, args.systems) if set(args.systems) - {"http"} else []
+    if "http" in args.systems:
+        rows += bench_http(args, plan)
+    add_ratios(rows, [s for s in ("transformers", "engine") if s in args.systems])
     print_rows(rows, args.json)
     if not args.json:
         print(f"{note}, at end {os.getloadavg()[0]:.1f}")
     return 0
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """Each row's throughput relative to transformers' and to the engine's at the same concurrency."""
-    by = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in rows}
-    for r in rows:
-        for base in ("transformers", "engine"):
-            ref = by.get((base, r["concurrency"]))
-            r[f"x_{base}"] = round(r["output_tok_s"] / ref, 2) if ref else None

@@ -124,14 +124,11 @@ def sample_requests(
     prompt or reply is longer than ``max_prompt_tokens`` / ``max_reply_tokens`` are skipped.
     """
     _check_sample_args(n, mode, tokenizer, max_prompt_tokens, max_reply_tokens)
-    conversations = load_conversations(path)
-    order = list(range(len(conversations)))
-    random.Random(seed).shuffle(order)
     samples = []
-    for index in order:
+    for conversation in shuffled_conversations(seed, path):
         if len(samples) == n:
             break
-        sample = _make_sample(conversations[index], mode)
+        sample = _make_sample(conversation, mode)
         if sample is not None and _fits(sample, tokenizer, max_prompt_tokens, max_reply_tokens):
             samples.append(sample)
     if len(samples) < n:
@@ -140,6 +137,14 @@ def sample_requests(
             f"max_reply_tokens={max_reply_tokens}; lower n or raise the limits"
         )
     return samples
+
+
+def shuffled_conversations(seed: int, path: str | Path | None = None) -> Iterator[Conversation]:
+    """Every conversation, in the seeded order that ``sample_requests`` draws from."""
+    conversations = load_conversations(path)
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    return (conversations[i] for i in order)
 
 
 def token_lengths(

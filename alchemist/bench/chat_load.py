@@ -1,0 +1,121 @@
+"""A closed-loop chat load on any OpenAI-compatible server: ``c`` clients, each playing conversations turn by turn.
+
+    chats = [Chat(("Hi!", "And then?")), Chat(("Name three colours.",))]
+    results, errors, duration_s = run_chats("http://127.0.0.1:8000/v1", "smollm2", chats, max_tokens=8, concurrency=2)
+
+Each client takes the next conversation and sends its user turns one after the other to ``/chat/completions``
+(streaming, the official ``openai`` client), every turn with the whole history before it: the earlier user turns
+and the replies this server actually returned. So a server that reuses cached prefixes shows it. A one-turn chat is
+a plain request. A conversation whose turn fails ends there (its later turns need the reply).
+
+Every request asks for exactly ``max_tokens`` greedy tokens: ``max_tokens`` plus ``ignore_eos`` and ``min_tokens``
+in the body (vLLM's extras, accepted by vLLM and by Alchemist). The tokens counted are the streamed ``usage``'s
+``completion_tokens`` (``stream_options.include_usage``), never assumed; a stream without usage is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chat:
+    turns: tuple[str, ...]  # user messages, sent one after the other
+
+
+@dataclass
+class RequestResult:
+    """One request's client-side timings (seconds, from sending it)."""
+
+    ttft_s: float  # to the first streamed content
+    e2e_s: float  # to the end of the stream
+    num_tokens: int  # output tokens, as the server's usage says
+    prompt_tokens: int  # likewise
+    itl_s: list[float]  # the gaps between its streamed content chunks after the first (vLLM's ITL)
+
+
+def openai_client(base_url: str, api_key: str):
+    import openai
+
+    # No retries: a failed request is counted as failed, not silently re-sent (which would skew its timings).
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600)
+
+
+def first_model_id(base_url: str, api_key: str) -> str:
+    """The first model of GET /models: what a server serves when the caller does not say."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=30)
+    try:
+        models = client.models.list().data
+    except openai.OpenAIError as e:
+        raise ValueError(f"--base-url {base_url}: GET /models failed ({type(e).__name__}: {e})") from e
+    if not models:
+        raise ValueError(f"--base-url {base_url}: GET /models lists no model; pass --model")
+    return models[0].id
+
+
+async def send_turn(client, model: str, messages: list[dict], max_tokens: int) -> tuple[RequestResult, str]:
+    """One streamed chat request: its timings and the reply's text."""
+    start = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    parts: list[str] = []
+    num_tokens = prompt_tokens = None
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": max_tokens},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            num_tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+    end = time.perf_counter()
+    if num_tokens is None:
+        raise RuntimeError("the stream carried no usage (the server must support stream_options.include_usage)")
+    if first is None:
+        raise RuntimeError(f"no content streamed ({num_tokens} tokens)")
+    return RequestResult(first - start, end - start, num_tokens, prompt_tokens, gaps), "".join(parts)
+
+
+def run_chats(
+    base_url: str, model: str, chats: list[Chat], max_tokens: int, concurrency: int, api_key: str = "unused"
+) -> tuple[list[RequestResult], list[BaseException], float]:
+    """Plays ``chats`` with ``concurrency`` clients; (each request's result, the errors, the duration in s)."""
+
+    async def main() -> tuple[list[RequestResult], list[BaseException], float]:
+        client = openai_client(base_url, api_key)
+        queue = deque(chats)
+        results: list[RequestResult] = []
+        errors: list[BaseException] = []
+
+        async def one_client() -> None:
+            while queue:
+                messages: list[dict] = []
+                for user in queue.popleft().turns:
+                    messages.append({"role": "user", "content": user})
+                    try:
+                        result, reply = await send_turn(client, model, messages, max_tokens)
+                    except Exception as e:  # whatever went wrong, it is this request's failure: counted
+                        errors.append(e)
+                        break
+                    results.append(result)
+                    messages.append({"role": "assistant", "content": reply})
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        duration_s = time.perf_counter() - start
+        await client.close()
+        return results, errors, duration_s
+
+    return asyncio.run(main())
