@@ -23,7 +23,7 @@ from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, pa
 from alchemist.engine.scheduler import ScheduledBatch
 from alchemist.engine.sequence import Sequence
 from alchemist.engine.served_adapter import ServedAdapter
-from alchemist.model.attention import AttentionMetadata, KVCache, Segment
+from alchemist.model.attention import AttentionMetadata, KVCache, Segment, decode_kernel_applies
 from alchemist.model.llama import Adapter, Llama, rms_norm
 from alchemist.model.seam import COMPUTE, Ops
 
@@ -47,6 +47,9 @@ class ModelRunner:
             model.dtype,
             model.device,
         )
+        # Our CPU decode-attention kernel is built (first start) or loaded here, before serving starts, in the thread
+        # that steps (alchemist.model.cpu_kernels).
+        decode_kernel_applies(self.cache.k[0])
         # The base ops: oneDNN-packed bf16 linears where they apply (same outputs, faster), else plain compute.
         self.ops: Ops = COMPUTE
         self._packed_lm_head: torch.Tensor | None = None

@@ -12,6 +12,8 @@ head_dim)``: reading a slot is a view, never a gather. Gathering paged blocks ev
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -19,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from alchemist.model import flash
+from alchemist.model import cpu_kernels, flash
 from alchemist.model.cpu_features import cpu_has_amx_bf16
 from alchemist.model.flash import lse_dtype
 
@@ -38,8 +40,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
 
@@ -47,6 +49,18 @@ class KVCache:
     def bytes_per_token(self) -> int:
         per_layer = self.k[0].element_size() * self.k[0].shape[1] * self.k[0].shape[3] * 2
         return per_layer * len(self.k)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on a CPU in an anonymous memory map, whose pages the kernel zeroes only when first touched, so the cache
+    is resident only as far as sequences fill their slots, not for the whole max_num_seqs x max_model_len reservation.
+    (Zeros, not garbage: ATen's batched decode call masks positions past a row's length additively, and a NaN there
+    would survive the mask.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    # frombuffer keeps the mapping alive as long as the tensor (and its views) are
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -106,25 +120,49 @@ class AttentionMetadata:
         return [off for seg, off in zip(self.segments, self.offsets, strict=True) if seg.is_decode]
 
     @cached_property
-    def _decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """Index tensors and the additive mask (in the call's dtype, ``decode_dtype``) for the batched decode call,
-        over slots ``lo .. hi``."""
+    def decode_index(self) -> slice | list[int]:
+        """``decode_rows`` as a slice where they are consecutive (the scheduler puts decodes first), which
+        indexes without a gather."""
+        rows = self.decode_rows
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return rows
+
+    @cached_property
+    def decode_by_kernel(self) -> bool:
+        """Decode rows run our CPU kernel, which also writes their keys and values (``decode_kernel_applies``)."""
+        return self.cache is not None and bool(self.decode_rows) and decode_kernel_applies(self.cache.k[0])
+
+    @cached_property
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode rows' slots, positions and lengths (position + 1), each (N,) int64."""
         assert self.cache is not None
         device = self.cache.k[0].device
         segs = [s for s in self.segments if s.is_decode]
         slots = torch.tensor([s.slot for s in segs], device=device)
         positions = torch.tensor([s.start for s in segs], device=device)
+        return slots, positions, positions + 1
+
+    @cached_property
+    def _decode_mask(self) -> tuple[torch.Tensor, int, int]:
+        """The additive mask (in the call's dtype, ``decode_dtype``) for ATen's batched decode call over slots
+        ``lo .. hi``, with lo and the longest length."""
+        assert self.cache is not None
+        slots, positions, _ = self._decode
+        device = slots.device
+        segs = [s for s in self.segments if s.is_decode]
         lo = min(s.slot for s in segs)
         hi = max(s.slot for s in segs) + 1
         max_len = max(s.start for s in segs) + 1
         # Slots in lo..hi that are not decoding now get length 1: their rows are computed and dropped
-        # (no NaN from fully masked rows). The engine keeps live slots compact so such holes are rare.
+        # (no fully masked rows; what they read may be unwritten memory). The engine keeps live slots compact so
+        # such holes are rare.
         lengths = torch.ones(hi - lo, dtype=torch.long, device=device)
         lengths[slots - lo] = positions + 1
         allowed = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
         mask = torch.zeros(allowed.shape, dtype=decode_dtype(self.cache.k[0]), device=device)
         mask.masked_fill_(~allowed, float("-inf"))
-        return slots, positions, mask[:, None, None, :], lo, max_len
+        return mask[:, None, None, :], lo, max_len
 
 
 def bottom_right_causal_mask(num_q: int, num_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -183,7 +221,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         if lse is not None:
             lse[rows] = row_lse[0].transpose(0, 1)
     if meta.decode_rows:
-        _decode_attention(layer, q, out, meta, scale)
+        _decode_attention(layer, q, k, v, out, meta, scale)
     return AttentionResult(out, lse)
 
 
@@ -196,32 +234,61 @@ def _write_cache(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
         dst = slice(seg.start, seg.start + seg.length)
         cache.k[layer][seg.slot, :, dst] = k[off : off + seg.length].transpose(0, 1)
         cache.v[layer][seg.slot, :, dst] = v[off : off + seg.length].transpose(0, 1)
-    if meta.decode_rows:
-        slots, positions, *_ = meta._decode
-        rows = meta.decode_rows
+    if meta.decode_rows and not meta.decode_by_kernel:  # the kernel writes its rows itself
+        slots, positions, _ = meta._decode
+        rows = meta.decode_index
         cache.k[layer][slots, :, positions] = k[rows]
         cache.v[layer][slots, :, positions] = v[rows]
 
 
 def decode_dtype(cache: torch.Tensor) -> torch.dtype:
-    """The dtype of the batched decode call over a cache of this dtype and device: fp32 on a CPU without AMX, where
+    """The dtype of ATen's batched decode call over a cache of this dtype and device: fp32 on a CPU without AMX, where
     ATen's bf16 flash kernel ran one query per sequence 2.7-4.7x slower than its fp32 kernel on fp32 copies, the
     copies included (``docs/profiles/decode_attention.py``; it accumulates in fp32 either way); else the cache's
     own."""
     return torch.float32 if cache.device.type == "cpu" and not cpu_has_amx_bf16() else cache.dtype
 
 
-def _decode_attention(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
-    """All decode tokens in one call over the cache view of slots lo .. hi (no copy of the cache, unless the call
-    runs in another dtype: ``decode_dtype``)."""
+def decode_kernel_applies(cache: torch.Tensor) -> bool:
+    """Whether decode attention over this cache runs our CPU kernel (``csrc/decode_attention.cpp``): a bf16 cache
+    on a CPU without AMX, where ATen's call needs fp32 copies of the cache (``decode_dtype``), if the kernel builds.
+    Reading the bf16 cache in place, it ran 3.6-5.2x faster than the copies and ATen's fp32 call at 32 sequences of
+    64-1,000 tokens (docs/benchmarks.md, "Decode attention")."""
+    return (
+        cache.device.type == "cpu"
+        and cache.dtype == torch.bfloat16
+        and decode_dtype(cache) != cache.dtype
+        and cpu_kernels.decode_attention_op() is not None
+    )
+
+
+def _decode_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> None:
+    """All decode tokens in one call: our kernel, which writes the rows' keys and values into the cache and attends
+    over the bf16 cache in place (``decode_kernel_applies``), else ATen's over the cache view of slots lo .. hi
+    (the keys and values written already; no copy of the cache, unless the call runs in another dtype:
+    ``decode_dtype``)."""
     cache = meta.cache
     assert cache is not None
-    slots, _, mask, lo, max_len = meta._decode
+    rows = meta.decode_index
+    slots, positions, _ = meta._decode
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if meta.decode_by_kernel:
+        op = cpu_kernels.decode_attention_op()
+        out[rows] = op(q[rows], k[rows], v[rows], k_cache, v_cache, slots, positions, scale)
+        return
+    mask, lo, max_len = meta._decode_mask
     span, ct = mask.shape[0], mask.dtype
-    rows = meta.decode_rows
     q_span = q.new_zeros(span, q.shape[1], 1, q.shape[2], dtype=ct)
     q_span[slots - lo] = q[rows].unsqueeze(2).to(ct)
-    ks = cache.k[layer][lo : lo + span, :, :max_len].to(ct)
-    vs = cache.v[layer][lo : lo + span, :, :max_len].to(ct)
+    ks = k_cache[lo : lo + span, :, :max_len].to(ct)
+    vs = v_cache[lo : lo + span, :, :max_len].to(ct)
     o, _ = sdpa(q_span, ks, vs, is_causal=False, mask=mask, scale=scale, need_lse=False)
     out[rows] = o[slots - lo, :, 0].to(out.dtype)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 @cache
-def _flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -17,10 +18,10 @@ def _flags() -> frozenset[str]:
 
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are fast on CPUs with AVX512-BF16 or AMX (measured 4x fp32 on avx512_bf16)."""
-    return bool(_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_amx_bf16() -> bool:
     """AMX tiles for bf16: where ATen's CPU flash-attention kernels run bf16 at speed (without them, a one-query
     bf16 call ran 2.7-4.7x slower than the fp32 kernel on fp32 copies: docs/profiles/decode_attention.py)."""
-    return "amx_bf16" in _flags()
+    return "amx_bf16" in cpu_flags()

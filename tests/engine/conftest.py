@@ -21,9 +21,11 @@ def tiny_model(tiny_dirs) -> Llama:
 
 @pytest.fixture
 def make_engine(tiny_model) -> Callable[..., LLMEngine]:
-    """``make_engine(eos_id=5, **EngineConfig fields)``: a fresh engine (its own cache) over the tiny model."""
+    """``make_engine(eos_id=5, **EngineConfig fields)``: a fresh engine (its own cache) over the tiny model, with 16
+    slots unless told (small step budgets need max_num_seqs <= max_num_batched_tokens)."""
 
     def make(eos_id: int = DEFAULT_EOS_ID, **fields) -> LLMEngine:
+        fields.setdefault("max_num_seqs", 16)
         return LLMEngine(tiny_model, char_tokenizer(eos_id), EngineConfig(**fields))
 
     return make

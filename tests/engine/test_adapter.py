@@ -134,7 +134,7 @@ def test_bf16_packed_path_adds_the_delta(tiny_dirs):
     """A bf16 engine serves the delta exactly: on the packed linears where this CPU packs bf16 weights
     (tests/engine/test_packed_ops.py), on plain ones where it cannot."""
     model = build_model(tiny_dirs["qwen2-bias"], torch.bfloat16)  # q/k/v bias: the packed linear's bias path
-    engine = LLMEngine(model, char_tokenizer(), EngineConfig(max_num_batched_tokens=16))
+    engine = LLMEngine(model, char_tokenizer(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=16))
     assert isinstance(engine.runner.ops, PackedLinearOps) == packed_linear_supported(model)
     adapter = random_adapter(model, 7)
     prompts = random_prompts([5, 30], seed=11)

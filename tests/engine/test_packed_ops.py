@@ -48,6 +48,6 @@ def test_packed_forward_and_lm_head_equal_plain(bf16_model):
 
 
 def test_bf16_engine_generates(bf16_model):
-    engine = LLMEngine(bf16_model, char_tokenizer(), EngineConfig(max_num_batched_tokens=16))
+    engine = LLMEngine(bf16_model, char_tokenizer(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=16))
     outs = engine.generate(random_prompts([5, 30]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outs] == [8, 8]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from alchemist.model import attention
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment, attend
 from alchemist.model.loader import build_model
 
@@ -52,10 +54,14 @@ def _step(model, cache, seqs, slots, parts, got):
         off += n
 
 
-def test_bf16_batched_decode_attention_is_the_attention_of_its_cached_values():
-    """In bf16 the CPU decode call runs on fp32 copies of the cache (the bf16 kernel is several times slower):
-    each sequence's decode row is the softmax attention of its own cached bf16 keys and values (computed here in
-    fp64), rounded once to bf16; grouped-query heads, a hole in the slots, different lengths."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_bf16_batched_decode_attention_is_the_attention_of_its_cached_values(kernel, monkeypatch):
+    """In bf16 the CPU decode call runs our kernel over the cache in place (``kernel``; where it applies) or ATen's
+    on fp32 copies of the cache (ATen's bf16 kernel is several times slower): each sequence's decode row is the
+    softmax attention of its own cached bf16 keys and values (computed here in fp64), rounded once to bf16;
+    grouped-query heads, a hole in the slots, different lengths."""
+    if not kernel:
+        monkeypatch.setattr(attention, "decode_kernel_applies", lambda cache: False)
     heads, kv_heads, dim = 6, 2, 16
     lengths, slots = [37, 5, 20], [0, 2, 3]
     placed = list(zip(slots, lengths, strict=True))
@@ -70,6 +76,7 @@ def test_bf16_batched_decode_attention_is_the_attention_of_its_cached_values():
     q = torch.randn(len(lengths), heads, dim, generator=g).bfloat16()
     out = attend(0, q, torch.cat([k[-1:] for k in keys]), torch.cat([v[-1:] for v in values]), decode).out
     assert out.dtype == torch.bfloat16
+    assert decode.decode_by_kernel == (kernel and attention.decode_kernel_applies(cache.k[0]))
     for i in range(len(lengths)):
         k, v = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (keys[i], values[i]))
         probs = (torch.einsum("hd,khd->hk", q[i].double(), k) * dim**-0.5).softmax(-1)

@@ -1,0 +1,238 @@
+// Decode attention over the KV cache on CPU: one query token per sequence, reading the cache in its own dtype.
+//
+// torch.ops.alchemist.decode_attention(q, k, v, k_cache, v_cache, slots, positions, scale) -> out
+//   q:        (N, H, D)             one query row per decoding sequence, RoPE applied (fp32 or bf16)
+//   k, v:     (N, Hkv, D)           the rows' new key (RoPE applied) and value, written into the cache first
+//   k_cache:  (S, Hkv, Lmax, D)     one layer of the per-slot cache (alchemist.model.attention.KVCache), q's dtype
+//   v_cache:  (S, Hkv, Lmax, D)
+//   slots:    (N,) int64            each row's slot (distinct)
+//   positions:(N,) int64            each row's position: it attends to cached keys 0 .. position
+//   out:      (N, H, D)             q's dtype
+//
+// Work is split by (row, kv head): each task writes its row's new key and value, then the G = H / Hkv query heads that share a kv head read its keys and values once,
+// converted to fp32 as they are read (no copy of the cache), with fp32 products, sums and softmax, as ATen's fp32
+// kernel computes them on an fp32 copy. Three passes over one row's data: scores (q . k for every cached key),
+// softmax, and the weighted sum of the values. Why a kernel of our own: docs/architecture.md, "Decode attention".
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+
+inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift left
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// e^x for x <= 0 (softmax arguments): 2^n * p(f), n = round(x log2 e), |f| <= ln2 / 2, p of degree 6 (Cephes'
+// coefficients: relative error under 2e-7, as good as the fp32 rounding of the argument).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below this e^x is 0 in fp32 (and -inf stays finite)
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+#if defined(__AVX512F__)
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+#endif
+}
+
+inline float exp_scalar(float x) { return std::exp(x); }
+
+// One (row, kv head) task: the `group` query heads qf (group x D, fp32, scaled) over L cached keys and values.
+template <typename T>
+void attend_one(const float* qf, const T* k, const T* v, int64_t L, int64_t group, int64_t D, float* scores,
+                float* acc) {
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D <= 256;
+#else
+  const bool vec = false;
+#endif
+  if (vec) {
+#if defined(__AVX512F__)
+    const int64_t C = D / 16;
+    // Prefetching a few rows ahead doubled the rate the cache is read at from DRAM (one stream per thread).
+    const int64_t ahead = PREFETCH_BYTES / (D * static_cast<int64_t>(sizeof(T)));
+    for (int64_t l = 0; l < L; ++l) {  // scores[g, l] = q_g . k_l
+      prefetch_row(k + (l + ahead) * D, D * sizeof(T));
+      __m512 kl[16];
+      for (int64_t c = 0; c < C; ++c) kl[c] = load16(k + l * D + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 s = _mm512_mul_ps(load16(qf + g * D), kl[0]);
+        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(load16(qf + g * D + c * 16), kl[c], s);
+        scores[g * L + l] = _mm512_reduce_add_ps(s);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {  // softmax numerators; acc's last column holds nothing yet
+      float* sg = scores + g * L;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < L; ++l) m = std::max(m, sg[l]);
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 total = _mm512_setzero_ps();
+      int64_t l = 0;
+      for (; l + 16 <= L; l += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mv));
+        _mm512_storeu_ps(sg + l, e);
+        total = _mm512_add_ps(total, e);
+      }
+      if (l < L) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << (L - l)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + l), mv));
+        e = _mm512_maskz_mov_ps(mask, e);
+        _mm512_mask_storeu_ps(sg + l, mask, e);
+        total = _mm512_add_ps(total, e);
+      }
+      scores[group * L + g] = _mm512_reduce_add_ps(total);
+    }
+    __m512 a[8][16];  // group <= 8 (the caller checks), C <= 16
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; ++l) {  // acc[g] = sum_l p[g, l] v_l
+      prefetch_row(v + (l + ahead) * D, D * sizeof(T));
+      __m512 vl[16];
+      for (int64_t c = 0; c < C; ++c) vl[c] = load16(v + l * D + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + l]);
+        for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vl[c], a[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+    return;
+#endif
+  }
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * to_float(k[l * D + d]);
+      scores[g * L + l] = s;
+    }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < L; ++l) m = std::max(m, sg[l]);
+    float total = 0.f;
+    for (int64_t l = 0; l < L; ++l) total += (sg[l] = exp_scalar(sg[l] - m));
+    scores[group * L + g] = total;
+  }
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + l] * to_float(v[l * D + d]);
+}
+
+template <typename T>
+void decode_attention_kernel(const T* q, const T* k_new, const T* v_new, T* k_cache, T* v_cache,
+                             const int64_t* slots, const int64_t* positions, T* out, int64_t num_rows,
+                             int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t max_len, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * max_len * head_dim;
+  const int64_t head_stride = max_len * head_dim;
+  const int64_t D = head_dim;
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t L = positions[n] + 1;
+      const int64_t base = slots[n] * slot_stride + h * head_stride;
+      std::memcpy(k_cache + base + positions[n] * D, k_new + (n * num_kv_heads + h) * D, D * sizeof(T));
+      std::memcpy(v_cache + base + positions[n] * D, v_new + (n * num_kv_heads + h) * D, D * sizeof(T));
+      const T* qn = q + (n * num_heads + h * group) * D;
+      scores.resize(group * (L + 1));  // group rows of L scores, then the group's softmax sums
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qn[i]) * scale;
+      attend_one(qf.data(), k_cache + base, v_cache + base, L, group, D, scores.data(), acc.data());
+      T* on = out + (n * num_heads + h * group) * D;
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.f / scores[group * L + g];
+        for (int64_t d = 0; d < D; ++d) store(on + g * D + d, acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& positions,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "decode_attention: q, k, v and the cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: the cache must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "decode_attention: int64 slots and positions");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), max_len = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && H / Hkv <= 8, "decode_attention: head counts");
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == N && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes(),
+              "decode_attention: k and v must be (N, kv heads, head dim)");
+  TORCH_CHECK(slots.numel() == N && positions.numel() == N, "decode_attention: one slot and position per row");
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto sc = slots.contiguous(), pc = positions.contiguous();
+  auto out = at::empty_like(qc);
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(pp[n] >= 0 && pp[n] < max_len, "decode_attention: position out of range");
+    TORCH_CHECK(sp[n] >= 0 && sp[n] < S, "decode_attention: slot out of range");
+  }
+  const float s = static_cast<float>(scale);
+  if (dtype == at::kBFloat16) {
+    using B = c10::BFloat16;
+    decode_attention_kernel(qc.data_ptr<B>(), kc.data_ptr<B>(), vc.data_ptr<B>(), k_cache.data_ptr<B>(),
+                            v_cache.data_ptr<B>(), sp, pp, out.data_ptr<B>(), N, H, Hkv, D, max_len, s);
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "decode_attention: float32 or bfloat16");
+    decode_attention_kernel(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                            k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, pp, out.data_ptr<float>(), N, H,
+                            Hkv, D, max_len, s);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(alchemist, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "Tensor positions, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(alchemist, CPU, m) { m.impl("decode_attention", &decode_attention); }
