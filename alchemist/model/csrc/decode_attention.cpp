@@ -63,85 +63,182 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
-#endif
-
-constexpr int64_t PREFETCH_BYTES = 1024;
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-#if defined(__AVX512F__)
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
-#endif
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: three rounds of shuffles and adds instead of 16
+// horizontal reductions. The rounds leave sum(v[4j + k]) in lane 4k + j, so the caller passes the vectors in that
+// (transposed, self-inverse) order: v[s] holds key 4 * (s % 4) + s / 4.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes [x0+x2, x1+x3, y0+y2, y1+y3]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane k: 4 partial sums of vector 4i + k
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
 }
+
+// The dot product of one query row with one key row (C chunks of 16), as 16 partial sums.
+template <int C>
+inline __m512 dot16(const c10::BFloat16* q, const float* qf, const c10::BFloat16* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (C % 2 == 0) {  // bf16 pairs straight into fp32 sums (bf16 products are exact in fp32)
+    __m512 s = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c += 2) {
+      const __m512i qv = _mm512_loadu_si512(q + 16 * c), kv = _mm512_loadu_si512(k + 16 * c);
+      s = _mm512_dpbf16_ps(s, reinterpret_cast<const __m512bh&>(qv), reinterpret_cast<const __m512bh&>(kv));
+    }
+    return s;
+  }
+#endif
+  __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf), load16(k));
+#pragma GCC unroll 16
+  for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 16 * c), load16(k + 16 * c), s);
+  return s;
+}
+
+template <int C>
+inline __m512 dot16(const float*, const float* qf, const float* k) {
+  __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf), _mm512_loadu_ps(k));
+#pragma GCC unroll 16
+  for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 16 * c), _mm512_loadu_ps(k + 16 * c), s);
+  return s;
+}
+
+// scores[g * L + l] = scale * (q_g . k_l) for l < L, 16 keys at a time. q_raw: the query rows in the cache's dtype;
+// qf: in fp32. (Loops of compile-time length, so that the accumulators live in registers.)
+template <typename T, int C>
+void scores_pass(const T* q_raw, const float* qf, const T* k, int64_t L, int64_t group, float scale,
+                 float* scores) {
+  constexpr int64_t D = 16 * C;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qg = q_raw + g * D;
+    const float* qfg = qf + g * D;
+    int64_t l0 = 0;
+    for (; l0 + 16 <= L; l0 += 16) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int s = 0; s < 16; ++s) acc[s] = dot16<C>(qg, qfg, k + (l0 + 4 * (s % 4) + s / 4) * D);
+      _mm512_storeu_ps(scores + g * L + l0, _mm512_mul_ps(transpose_sum16(acc), sv));
+    }
+    if (l0 < L) {
+      const int64_t n = L - l0;
+      __m512 acc[16];
+      for (int s = 0; s < 16; ++s) {
+        const int64_t key = 4 * (s % 4) + s / 4;
+        acc[s] = key < n ? dot16<C>(qg, qfg, k + (l0 + key) * D) : _mm512_setzero_ps();
+      }
+      const __m512 r = _mm512_mul_ps(transpose_sum16(acc), sv);
+      _mm512_mask_storeu_ps(scores + g * L + l0, static_cast<__mmask16>((1u << n) - 1), r);
+    }
+  }
+}
+
+// acc[g] = sum_l p[g, l] v_l, the G x C accumulators in registers.
+template <typename T, int G, int C>
+void values_pass(const float* p, const T* v, int64_t L, float* acc) {
+  constexpr int64_t D = 16 * C;
+  __m512 a[G][C];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; ++l) {
+    __m512 vl[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) vl[c] = load16(v + l * D + 16 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * L + l]);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vl[c], a[g][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+template <typename T, int C>
+void values_pass_for(int64_t group, const float* p, const T* v, int64_t L, float* acc) {
+  switch (group) {
+    case 1: return values_pass<T, 1, C>(p, v, L, acc);
+    case 2: return values_pass<T, 2, C>(p, v, L, acc);
+    case 3: return values_pass<T, 3, C>(p, v, L, acc);
+    case 4: return values_pass<T, 4, C>(p, v, L, acc);
+    case 5: return values_pass<T, 5, C>(p, v, L, acc);
+    case 6: return values_pass<T, 6, C>(p, v, L, acc);
+    case 7: return values_pass<T, 7, C>(p, v, L, acc);
+    default: return values_pass<T, 8, C>(p, v, L, acc);  // the op checks group <= 8
+  }
+}
+
+template <typename T, int C>
+void softmax_pass(float* scores, int64_t L, int64_t group);
+
+// The vectorized path for head dims of C chunks of 16 (C = 1, 2, 4, 8: head dims 16 .. 128).
+template <typename T, int C>
+void attend_vec(const T* q_raw, const float* qf, const T* k, const T* v, int64_t L, int64_t group, float scale,
+                float* scores, float* acc) {
+  scores_pass<T, C>(q_raw, qf, k, L, group, scale, scores);
+  softmax_pass<T, C>(scores, L, group);
+  values_pass_for<T, C>(group, scores, v, L, acc);
+}
+#endif
 
 inline float exp_scalar(float x) { return std::exp(x); }
 
 // One (row, kv head) task: the `group` query heads qf (group x D, fp32, scaled) over L cached keys and values.
-template <typename T>
-void attend_one(const float* qf, const T* k, const T* v, int64_t L, int64_t group, int64_t D, float* scores,
-                float* acc) {
 #if defined(__AVX512F__)
-  const bool vec = D % 16 == 0 && D <= 256;
-#else
-  const bool vec = false;
-#endif
-  if (vec) {
-#if defined(__AVX512F__)
-    const int64_t C = D / 16;
-    // Prefetching a few rows ahead doubled the rate the cache is read at from DRAM (one stream per thread).
-    const int64_t ahead = PREFETCH_BYTES / (D * static_cast<int64_t>(sizeof(T)));
-    for (int64_t l = 0; l < L; ++l) {  // scores[g, l] = q_g . k_l
-      prefetch_row(k + (l + ahead) * D, D * sizeof(T));
-      __m512 kl[16];
-      for (int64_t c = 0; c < C; ++c) kl[c] = load16(k + l * D + c * 16);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 s = _mm512_mul_ps(load16(qf + g * D), kl[0]);
-        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(load16(qf + g * D + c * 16), kl[c], s);
-        scores[g * L + l] = _mm512_reduce_add_ps(s);
-      }
+// Softmax numerators over each query head's L scores, in place; their sums go to scores[group * L + g].
+template <typename T, int C>
+void softmax_pass(float* scores, int64_t L, int64_t group) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < L; ++l) m = std::max(m, sg[l]);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mv));
+      _mm512_storeu_ps(sg + l, e);
+      total = _mm512_add_ps(total, e);
     }
-    for (int64_t g = 0; g < group; ++g) {  // softmax numerators; acc's last column holds nothing yet
-      float* sg = scores + g * L;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < L; ++l) m = std::max(m, sg[l]);
-      const __m512 mv = _mm512_set1_ps(m);
-      __m512 total = _mm512_setzero_ps();
-      int64_t l = 0;
-      for (; l + 16 <= L; l += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mv));
-        _mm512_storeu_ps(sg + l, e);
-        total = _mm512_add_ps(total, e);
-      }
-      if (l < L) {
-        const __mmask16 mask = static_cast<__mmask16>((1u << (L - l)) - 1);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + l), mv));
-        e = _mm512_maskz_mov_ps(mask, e);
-        _mm512_mask_storeu_ps(sg + l, mask, e);
-        total = _mm512_add_ps(total, e);
-      }
-      scores[group * L + g] = _mm512_reduce_add_ps(total);
+    if (l < L) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (L - l)) - 1);
+      __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + l), mv)));
+      _mm512_mask_storeu_ps(sg + l, mask, e);
+      total = _mm512_add_ps(total, e);
     }
-    __m512 a[8][16];  // group <= 8 (the caller checks), C <= 16
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < L; ++l) {  // acc[g] = sum_l p[g, l] v_l
-      prefetch_row(v + (l + ahead) * D, D * sizeof(T));
-      __m512 vl[16];
-      for (int64_t c = 0; c < C; ++c) vl[c] = load16(v + l * D + c * 16);
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + l]);
-        for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vl[c], a[g][c]);
-      }
-    }
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
-    return;
-#endif
+    scores[group * L + g] = _mm512_reduce_add_ps(total);
   }
+}
+#endif
+
+// One (row, kv head) task: the `group` query heads (q_raw in the cache's dtype, qf in fp32) over L cached keys and
+// values; leaves the unnormalized output rows in acc (group x D) and their softmax sums in scores[group * L + g].
+template <typename T>
+void attend_one(const T* q_raw, const float* qf, const T* k, const T* v, int64_t L, int64_t group, int64_t D,
+                float scale, float* scores, float* acc) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 16: return attend_vec<T, 1>(q_raw, qf, k, v, L, group, scale, scores, acc);
+    case 32: return attend_vec<T, 2>(q_raw, qf, k, v, L, group, scale, scores, acc);
+    case 64: return attend_vec<T, 4>(q_raw, qf, k, v, L, group, scale, scores, acc);
+    case 128: return attend_vec<T, 8>(q_raw, qf, k, v, L, group, scale, scores, acc);
+    default: break;  // other head dims: the scalar loops below
+  }
+#endif
   for (int64_t l = 0; l < L; ++l)
     for (int64_t g = 0; g < group; ++g) {
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * to_float(k[l * D + d]);
-      scores[g * L + l] = s;
+      scores[g * L + l] = s * scale;
     }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * L;
@@ -176,8 +273,8 @@ void decode_attention_kernel(const T* q, const T* k_new, const T* v_new, T* k_ca
       std::memcpy(v_cache + base + positions[n] * D, v_new + (n * num_kv_heads + h) * D, D * sizeof(T));
       const T* qn = q + (n * num_heads + h * group) * D;
       scores.resize(group * (L + 1));  // group rows of L scores, then the group's softmax sums
-      for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qn[i]) * scale;
-      attend_one(qf.data(), k_cache + base, v_cache + base, L, group, D, scores.data(), acc.data());
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qn[i]);
+      attend_one(qn, qf.data(), k_cache + base, v_cache + base, L, group, D, scale, scores.data(), acc.data());
       T* on = out + (n * num_heads + h * group) * D;
       for (int64_t g = 0; g < group; ++g) {
         const float inv = 1.f / scores[group * L + g];
