@@ -53,6 +53,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-merge-adapter", action="store_true", help="serve the adapter as a separate delta (saves a weight copy)"
     )
+    p.add_argument(
+        "--no-enable-prefix-caching", action="store_true", help="compute every prompt whole (no prefix cache)"
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -60,7 +63,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, compile=args.compile,
-        merge_adapter=not args.no_merge_adapter, **sizes,
+        merge_adapter=not args.no_merge_adapter, enable_prefix_caching=not args.no_enable_prefix_caching, **sizes,
     )  # fmt: skip
 
 

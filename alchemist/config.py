@@ -47,6 +47,9 @@ class EngineConfig:
     # Forwards that record nothing serve the adapter merged into the weights (alchemist.engine.merged_adapter):
     # no per-token cost, one more copy of the targeted weights in memory. False: the separate delta everywhere.
     merge_adapter: bool = True
+    # Prompts start after the longest prefix of full blocks whose keys/values a slot still holds, computed under the
+    # adapter version served (alchemist.engine.prefix_cache); recorded prompts are computed whole.
+    enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the forward: not supported yet (raises), see __post_init__
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool (got {self.enable_prefix_caching!r})")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be a bool (got {self.compile!r})")
         if self.compile:

@@ -7,25 +7,29 @@ holds ``ceil(tokens / block_size)`` blocks from a free list, and the pool (``num
 budget that admission and preemption respect. With the default pool every slot can fill to ``max_model_len``;
 a smaller pool makes sequences share capacity and forces preemption under load.
 
-Live slots are kept compact (the lowest free slot is always taken) because batched decode attends over the slot
-range ``lo .. hi`` and computes a throw-away row for every idle slot inside it.
+Slots: without prefix caching the lowest free slot is taken, which keeps live slots compact. With it
+(``alchemist.engine.prefix_cache``) a sequence whose prompt starts with blocks cached in a free slot takes that
+slot, and one without takes an empty slot, else the least recently used one, so live slots may leave holes. Our
+bf16 CPU decode kernel attends per row and does not care; ATen's batched decode call (fp32, GPUs) attends over the
+slot range ``lo .. hi`` and computes a throw-away row for every idle slot inside it, which is only a cost.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
+from alchemist.engine.prefix_cache import PrefixCache, PrefixHit
 from alchemist.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_slots: int, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_slots: int, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         self.num_slots = num_slots
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free_slots = list(range(num_slots))  # a heap: the lowest free slot comes out first
+        self._free_slots = set(range(num_slots))
         self._free_blocks: deque[int] = deque(range(num_blocks))
+        self.prefix_cache = PrefixCache(num_slots, block_size) if prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,10 +55,32 @@ class BlockManager:
         """Whether a waiting ``seq`` can get a slot and the blocks for its first ``num_tokens``."""
         return bool(self._free_slots) and self._num_new_blocks(seq, num_tokens) <= len(self._free_blocks)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """Reserves the lowest free slot and the blocks for ``num_tokens``; returns the slot."""
+    def lookup(self, seq: Sequence, adapter_version: int) -> PrefixHit | None:
+        """The longest cached prefix of a waiting ``seq``'s tokens under ``adapter_version``; None when no lookup is
+        made: prefix caching is off, or ``seq`` is recorded (its record must hold every prompt row, so its prompt
+        is computed whole; docs/architecture.md)."""
+        if self.prefix_cache is None or seq.record:
+            return None
+        return self.prefix_cache.match(seq.token_ids, adapter_version, self._free_slots)
+
+    def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Reserves a slot and the blocks for ``seq``'s first ``num_tokens`` (the cached ones of ``hit`` included);
+        returns the slot: the hit's own when it is free (its keys/values are in place), else a free one (the
+        caller copies the hit's keys/values there)."""
         assert seq.slot is None and not seq.block_ids and self.can_allocate(seq, num_tokens)
-        slot = heapq.heappop(self._free_slots)
+        cache = self.prefix_cache
+        if cache is None:
+            slot = min(self._free_slots)
+        elif hit is not None and hit.slot in self._free_slots:
+            slot = hit.slot
+        else:
+            slot = cache.pick_free(self._free_slots)
+        self._free_slots.remove(slot)
+        if cache is not None:
+            cache.assign(slot, hit.hashes if hit is not None else ())
+            if hit is not None:
+                cache.num_queries += seq.num_tokens
+                cache.num_hits += hit.num_tokens
         self.append(seq, num_tokens)
         return slot
 
@@ -72,4 +98,6 @@ class BlockManager:
         self._free_blocks.extend(seq.block_ids)
         seq.block_ids.clear()
         if seq.slot is not None:
-            heapq.heappush(self._free_slots, seq.slot)
+            self._free_slots.add(seq.slot)
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(seq.slot)

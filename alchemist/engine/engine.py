@@ -85,7 +85,7 @@ class LLMEngine:
         assert c.max_model_len is not None and c.num_kv_blocks is not None
         self.model = model
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size)
+        self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
         self.store = ActivationStore.from_config(rc)
@@ -205,6 +205,7 @@ class LLMEngine:
             return bool(self._pending.adds)
 
     def stats(self) -> EngineStats:
+        cache = self.block_manager.prefix_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pending.adds),
@@ -217,6 +218,8 @@ class LLMEngine:
             activation_tier_bytes=dict(self.store.stats.tier_bytes),
             activation_records=self.store.stats.records,
             num_recorded=self.recorder.num_recorded if self.recorder is not None else 0,
+            num_prefix_cache_queries=cache.num_queries if cache is not None else 0,
+            num_prefix_cache_hits=cache.num_hits if cache is not None else 0,
         )
 
     # --- the loop (one thread) ------------------------------------------------------------------------------------
@@ -225,9 +228,10 @@ class LLMEngine:
         """Runs one batch; returns an output for each request that sampled a token, finished or was aborted."""
         with self._step_lock:
             self._apply_pending()
-            batch = self.scheduler.schedule(time.monotonic())
+            batch = self.scheduler.schedule(time.monotonic(), self.runner.adapter_version)
             if batch.is_empty:
                 return self._take_aborted()
+            self.runner.copy_prefixes(batch)
             logits, sampling = self.runner.run(batch)
             samples = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
             return self._postprocess(batch, sampling, samples.token_ids, samples.logprobs)
@@ -311,8 +315,14 @@ class LLMEngine:
         self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int], logprobs: list
     ) -> list[RequestOutput]:
         now = time.monotonic()
+        cache = self.block_manager.prefix_cache
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.advance(num, self.runner.adapter_version)
+            if cache is not None:  # the full blocks just completed serve later prompts that start with them
+                assert seq.slot is not None
+                cache.register(
+                    seq.slot, seq.token_ids, seq.num_computed_tokens, seq.adapter_version, self.runner.adapter_version
+                )
         outputs = self._take_aborted()
         for seq, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
             if seq.first_token_s is None:

@@ -63,3 +63,5 @@ class EngineStats:
     activation_tier_bytes: dict[str, int] = field(default_factory=dict)  # per tier ("device", "host", "disk")
     activation_records: int = 0  # records held by the store
     num_recorded: int = 0  # prompt records completed and stored
+    num_prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache (vLLM's count)
+    num_prefix_cache_hits: int = 0  # of those, tokens whose keys/values came from the cache

@@ -82,6 +82,13 @@ class ModelRunner:
         return self.recorder.ops_for(meta, chunks, self.adapter_version, self.ops)
 
     @torch.inference_mode()
+    def copy_prefixes(self, batch: ScheduledBatch) -> None:
+        """The batch's prefix-cache copies, in order, before its forward (the stepping thread calls it): each a
+        cached prefix held in another sequence's slot, which only appends, so the prefix is stable."""
+        for src, dst, num_tokens in batch.prefix_copies:
+            self.cache.copy_prefix(src, dst, num_tokens)
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Computes the batch, writing its keys/values into the cache.
 

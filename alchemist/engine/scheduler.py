@@ -5,7 +5,9 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and fills it in thi
 1. every running sequence that is decoding (one token each), so decodes are never stalled by prefills;
 2. running sequences part-way through a prefill, as large a chunk as the budget leaves;
 3. waiting sequences, first come first served, while a slot, budget, and free blocks for their whole prompt remain
-   (blocks are taken chunk by chunk as the prompt is computed).
+   (blocks are taken chunk by chunk as the prompt is computed). With prefix caching a sequence starts after the
+   longest prefix of its tokens cached under the adapter served (``alchemist.engine.prefix_cache``); when those
+   keys/values sit in a slot that another sequence holds, the batch names a copy for the runner to make first.
 
 When the block pool cannot hold a running sequence's next tokens, the newest running sequence is preempted: its
 slot and blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt and
@@ -29,6 +31,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source slot, destination slot, tokens): cached prefixes to copy before the forward, in this order
+    prefix_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -62,7 +66,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self, now_s: float) -> ScheduledBatch:
+    def schedule(self, now_s: float, adapter_version: int = 0) -> ScheduledBatch:
+        """The next batch; ``adapter_version`` is the adapter its forward serves (the key of prefix-cache
+        lookups)."""
         budget = self.max_num_batched_tokens
         chosen: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefill chunks
         preempted: list[Sequence] = []
@@ -78,10 +84,11 @@ class Scheduler:
                 continue  # seq itself was the newest and got preempted
             chosen[seq] = num
             budget = self.max_num_batched_tokens - sum(chosen.values())
+        copies: list[tuple[int, int, int]] = []
         if not preempted:  # admitting now would only feed the next preemption
-            budget = self._admit(budget, chosen, now_s)
+            budget = self._admit(budget, chosen, copies, now_s, adapter_version)
         self.num_preemptions += len(preempted)
-        return ScheduledBatch(list(chosen), list(chosen.values()), preempted)
+        return ScheduledBatch(list(chosen), list(chosen.values()), preempted, copies)
 
     def _reserve(self, seq: Sequence, num: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
         """Blocks for ``num`` more tokens of ``seq``, preempting the newest running sequences as needed."""
@@ -102,17 +109,30 @@ class Scheduler:
         # Victims are taken newest first, so pushing each on the front keeps the waiting queue oldest first.
         self.waiting.appendleft(seq)
 
-    def _admit(self, budget: int, chosen: dict[Sequence, int], now_s: float) -> int:
+    def _admit(
+        self,
+        budget: int,
+        chosen: dict[Sequence, int],
+        copies: list[tuple[int, int, int]],
+        now_s: float,
+        adapter_version: int,
+    ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num = min(seq.num_uncomputed_tokens, budget)
             # Admit only when the whole rest of the prompt fits in the free blocks now (blocks are still taken
             # chunk by chunk): admitting on the first chunk alone was measured to thrash, e.g. 19 preemptions and
-            # 2.2x the computed tokens for 8 prompts in a 40-block pool, against none with this rule.
+            # 2.2x the computed tokens for 8 prompts in a 40-block pool, against none with this rule. A cached
+            # prefix still holds its blocks (capacity is not shared), so the rule is the same with a hit.
             if not self.block_manager.can_allocate(seq, seq.num_uncomputed_tokens):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.admit(self.block_manager.allocate(seq, num), now_s)
+            hit = self.block_manager.lookup(seq, adapter_version)
+            num_cached = hit.num_tokens if hit is not None else 0
+            num = min(seq.num_tokens - num_cached, budget)
+            slot = self.block_manager.allocate(seq, num_cached + num, hit)
+            if hit is not None and hit.slot is not None and hit.slot != slot:
+                copies.append((hit.slot, slot, num_cached))
+            seq.admit(slot, now_s, num_cached, adapter_version)
             self.running.append(seq)
             chosen[seq] = num
             budget -= num

@@ -183,11 +183,17 @@ class Sequence:
 
     # --- transitions --------------------------------------------------------------------------------------------
 
-    def admit(self, slot: int, now_s: float) -> None:
-        """WAITING -> RUNNING in ``slot`` (the block manager has reserved it)."""
-        assert self.status is SequenceStatus.WAITING
+    def admit(self, slot: int, now_s: float, num_cached_tokens: int = 0, adapter_version: int = 0) -> None:
+        """WAITING -> RUNNING in ``slot`` (the block manager has reserved it), whose first ``num_cached_tokens``
+        keys/values are already cached (a prefix-cache hit, computed under ``adapter_version``: its prefill so
+        starts with that version)."""
+        assert self.status is SequenceStatus.WAITING and self.num_computed_tokens == 0
         self.status = SequenceStatus.RUNNING
         self.slot = slot
+        if num_cached_tokens:
+            assert num_cached_tokens < self.num_tokens
+            self.num_computed_tokens = num_cached_tokens
+            self.adapter_version = adapter_version
         if self.first_scheduled_s is None:
             self.first_scheduled_s = now_s
 

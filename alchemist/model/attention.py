@@ -45,6 +45,13 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Every layer's keys/values at positions ``0 .. num_tokens-1`` of slot ``src`` copied into slot ``dst`` (a
+        cached prefix that a running sequence holds, for a new sequence: ``alchemist.engine.prefix_cache``)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :num_tokens] = k[src, :, :num_tokens]
+            v[dst, :, :num_tokens] = v[src, :, :num_tokens]
+
     @property
     def bytes_per_token(self) -> int:
         per_layer = self.k[0].element_size() * self.k[0].shape[1] * self.k[0].shape[3] * 2

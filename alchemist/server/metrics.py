@@ -2,9 +2,9 @@
 
 Latency histograms and finish reasons are fed from the engine thread after each step (``observe``). Gauges
 (running / waiting requests, KV-cache usage) and the engine's counters (prompt and generation tokens,
-preemptions) are read from ``LLMEngine.stats()`` when Prometheus scrapes, so they are current even while the
-engine sleeps. ``feedback_total`` counts the feedback log's new entries by kind (``observe_feedback``, a log
-listener). Each app owns its CollectorRegistry, so a process (tests) can build several.
+preemptions, prefix-cache queries and hits) are read from ``LLMEngine.stats()`` when Prometheus scrapes, so they
+are current even while the engine sleeps. ``feedback_total`` counts the feedback log's new entries by kind
+(``observe_feedback``, a log listener). Each app owns its CollectorRegistry, so a process (tests) can build several.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class _EngineStatsCollector(Collector):
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
             ("num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions),
             ("recorded_prompts", "Prompt activation records completed and stored.", s.num_recorded),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.num_prefix_cache_queries),
+            ("prefix_cache_hits", "Of those, tokens served from the prefix cache.", s.num_prefix_cache_hits),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

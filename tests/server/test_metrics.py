@@ -23,3 +23,21 @@ def test_activation_store_bytes_per_tier():
     assert "alchemist:activation_store_bytes 700.0" in text
     for tier, value in (("device", 100), ("host", 200), ("disk", 400)):
         assert f'alchemist:activation_store_tier_bytes{{tier="{tier}"}} {value}.0' in text
+
+
+def test_prefix_cache_counters():
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        num_preemptions=0,
+        num_finished=0,
+        num_prefix_cache_queries=300,
+        num_prefix_cache_hits=192,
+    )
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert "# TYPE alchemist:prefix_cache_queries_total counter" in text
+    assert "alchemist:prefix_cache_queries_total 300.0" in text
+    assert "alchemist:prefix_cache_hits_total 192.0" in text

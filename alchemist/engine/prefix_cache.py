@@ -1,0 +1,131 @@
+"""Automatic prefix caching over per-slot storage: which full blocks of keys/values each slot still holds.
+
+As in vLLM, a full block of ``block_size`` tokens is named by a hash chained over every block before it,
+``h_i = sha256(h_{i-1} + token ids of block i)``, so equal hashes mean equal tokens from position 0 on. The chain is
+seeded with the adapter version the blocks were computed under: a block computed under one version never serves
+another (vLLM issue 42125 is that bug, after an adapter reload).
+
+Our storage is per slot and contiguous (``KVCache``), so a cached block is not a page of its own: it is a position
+range of some slot whose keys/values are still valid. This class knows, per slot, the chain of hashes valid there
+and an index from hash to the slots holding it. A slot's blocks stay valid after its sequence finishes, aborts or
+is preempted (nothing writes the storage until the slot is given to another sequence) and are invalidated beyond
+the prefix its next owner reuses (``assign``). Free slots are handed out least recently used first, so the
+longest-idle cache is the one evicted. Capacity (blocks as accounting) is not shared: ``BlockManager`` is unchanged
+but for where a sequence starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest cached prefix of a sequence's tokens: ``num_tokens`` of them, valid in ``slot``."""
+
+    slot: int | None  # None when nothing matched
+    num_tokens: int
+    hashes: tuple[bytes, ...]  # the matched blocks' hashes, in order
+
+
+def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, version: int) -> list[bytes]:
+    """The hashes of the first ``num_blocks`` full blocks of ``token_ids``, chained from ``version``."""
+    return _extend([], token_ids, block_size, num_blocks, version)
+
+
+def _extend(chain: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, version: int) -> list[bytes]:
+    """``chain`` (the hashes of the first blocks) extended in place to ``num_blocks`` hashes."""
+    prev = chain[-1] if chain else version.to_bytes(8, "little")
+    for i in range(len(chain), num_blocks):
+        block = array("q", token_ids[i * block_size : (i + 1) * block_size])
+        prev = hashlib.sha256(prev + block.tobytes()).digest()
+        chain.append(prev)
+    return chain
+
+
+class PrefixCache:
+    def __init__(self, num_slots: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: list[list[bytes]] = [[] for _ in range(num_slots)]  # per slot: valid blocks' hashes
+        self._index: dict[bytes, set[int]] = {}  # hash -> slots holding that block at its chain position
+        self._frozen: set[int] = set()  # slots whose sequence's keys/values now mix adapter versions
+        self._last_used = [0] * num_slots  # a tick per slot, for LRU among free slots
+        self._tick = 0
+        self.num_queries = 0  # tokens of sequences looked up (vLLM's prefix_cache_queries)
+        self.num_hits = 0  # of those, tokens served from the cache (vLLM's prefix_cache_hits)
+
+    def num_cached_blocks(self, slot: int) -> int:
+        return len(self._chains[slot])
+
+    def match(self, token_ids: list[int], version: int, free_slots: set[int]) -> PrefixHit:
+        """The longest run of ``token_ids``' full blocks cached under ``version``, leaving at least one token to
+        compute (the last one's logits are needed); among slots holding it, a free one if any (no copy)."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes: list[bytes] = []
+        slots: set[int] = set()
+        for h in chain_hashes(token_ids, self.block_size, max_blocks, version):
+            holders = self._index.get(h)
+            if not holders:
+                break
+            hashes.append(h)
+            slots = holders
+        if not hashes:
+            return PrefixHit(None, 0, ())
+        free = slots & free_slots
+        # Among free holders, the most recently used (an LRU pick would evict the other, colder ones first).
+        slot = max(free, key=self._last_used.__getitem__) if free else min(slots)
+        return PrefixHit(slot, len(hashes) * self.block_size, tuple(hashes))
+
+    def pick_free(self, free_slots: set[int]) -> int:
+        """The free slot to give a sequence without a hit in it: one holding nothing cached (the lowest, which
+        keeps live slots compact), else the least recently used one (LRU eviction)."""
+        empty = [s for s in free_slots if not self._chains[s]]
+        if empty:
+            return min(empty)
+        return min(free_slots, key=self._last_used.__getitem__)
+
+    def assign(self, slot: int, hashes: tuple[bytes, ...]) -> None:
+        """``slot`` goes to a new sequence whose keys/values there are valid for ``hashes`` (its reused prefix,
+        already there or copied in before the next forward); the slot's other blocks are invalid from now on."""
+        chain = self._chains[slot]
+        for h in chain[len(hashes) :] if chain[: len(hashes)] == list(hashes) else chain:
+            self._unindex(h, slot)
+        self._chains[slot] = list(hashes)
+        for h in hashes:
+            self._index.setdefault(h, set()).add(slot)
+        self._frozen.discard(slot)
+        self._touch(slot)
+
+    def register(self, slot: int, token_ids: list[int], num_computed: int, version: int, serving: int) -> None:
+        """The sequence in ``slot``, prefilled under adapter ``version``, has ``num_computed`` tokens' keys/values in
+        place: its full blocks among them become cached. Once the adapter served (``serving``) differs from its own,
+        its later keys/values mix versions, so nothing more of it is registered."""
+        if slot in self._frozen:
+            return
+        if serving != version:
+            self._frozen.add(slot)
+            return
+        chain = self._chains[slot]
+        num_old, num_full = len(chain), num_computed // self.block_size
+        if num_full <= num_old:
+            return  # most steps: a decode token that completes no block
+        for h in _extend(chain, token_ids, self.block_size, num_full, version)[num_old:]:
+            self._index.setdefault(h, set()).add(slot)
+        self._touch(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence is gone (finished, aborted, preempted); its blocks stay cached."""
+        self._touch(slot)
+
+    def _touch(self, slot: int) -> None:
+        self._tick += 1
+        self._last_used[slot] = self._tick
+
+    def _unindex(self, h: bytes, slot: int) -> None:
+        holders = self._index.get(h)
+        if holders is not None:
+            holders.discard(slot)
+            if not holders:
+                del self._index[h]
