@@ -64,3 +64,11 @@ def test_serve_flags_map_onto_the_online_config():
     got = _online_config(args)
     assert (got.group_size, got.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
     assert not got.enabled and not got.replay
+
+
+def test_serve_prefix_caching_flag():
+    from alchemist.cli import _engine_config, build_parser
+
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(["serve"])).enable_prefix_caching
+    assert not _engine_config(parser.parse_args(["serve", "--no-enable-prefix-caching"])).enable_prefix_caching

@@ -52,6 +52,7 @@ def test_sampling_params_normalise():
         ("num_kv_blocks", 0),
         ("max_num_batched_tokens", 2.5),
         ("max_waiting", 0),
+        ("enable_prefix_caching", 1),
         ("compile", "yes"),
         ("compile", True),  # not supported yet: refused, not ignored
     ],

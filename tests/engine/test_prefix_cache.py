@@ -1,10 +1,13 @@
 """The prefix cache on its own (no model): chained block hashes keyed by adapter version, longest match, slots
-invalidated when reused, least recently used free slot first; and the block manager's choice of slot with it."""
+invalidated when reused, least recently used free slot first; the block manager's choice of slot with it; and, on
+the tiny model, a multi-turn follow-up served from its previous turn's blocks (generated tokens included)."""
 
 from __future__ import annotations
 
+from alchemist.engine import SamplingParams
 from alchemist.engine.block_manager import BlockManager
 from alchemist.engine.prefix_cache import PrefixCache, chain_hashes
+from tests.engine.helpers import random_prompts
 from tests.engine.test_block_manager import make_seq
 
 BS = 4
@@ -98,3 +101,18 @@ def test_block_manager_takes_the_hit_slot_when_free_and_counts_tokens():
     recorded = make_seq("recorded", 22)
     recorded.record = True
     assert bm.lookup(recorded, 0) is None  # computed whole
+
+
+def test_follow_up_turn_hits_the_previous_reply_and_changes_no_token(make_engine):
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first, question = random_prompts([37, 6], seed=5)
+    engines = {on: make_engine(block_size=4, enable_prefix_caching=on) for on in (True, False)}
+    outputs = {}
+    for on, engine in engines.items():
+        reply = engine.generate([first], greedy)[0].output_token_ids
+        follow_up = first + reply + question  # 63 tokens: the first turn's 56 computed hold 14 full blocks
+        outputs[on] = reply, engine.generate([follow_up], greedy)[0].output_token_ids
+    assert outputs[True] == outputs[False]
+    stats = engines[True].stats()
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (37 + 63, 14 * 4)
+    assert engines[False].stats().num_prefix_cache_queries == 0

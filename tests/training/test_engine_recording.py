@@ -58,6 +58,41 @@ def test_preempted_request_is_recorded_whole(tiny_dirs):
                 assert torch.allclose(layer[name], ref, atol=1e-5, rtol=1e-5), name
 
 
+def test_recorded_prompt_with_a_cached_prefix_is_computed_whole(tiny_dirs):
+    """Prefix caching and recording: a recorded request whose prompt starts with cached blocks bypasses the cache
+    (its record must hold every prompt row, the trainer replays them all), so its record is complete and replays to
+    the recompute gradients; its own blocks are cached for requests that are not recorded."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    engine = recording_engine(model, max_num_batched_tokens=32, policy="requested", max_model_len=256)
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(6, 256, (64,), generator=g).tolist()  # 4 full blocks
+    prompts = {rid: shared + torch.randint(6, 256, (n,), generator=g).tolist() for rid, n in (("a", 9), ("b", 5))}
+    engine.generate([prompts["a"]], SamplingParams(max_tokens=4, ignore_eos=True))  # caches the shared blocks
+    before = engine.stats()
+    engine.add_request("b", prompts["b"], SamplingParams(max_tokens=4, ignore_eos=True, record=True))
+    while engine.has_unfinished():
+        engine.step()
+    after = engine.stats()
+    assert (after.num_prefix_cache_queries, after.num_prefix_cache_hits) == (
+        before.num_prefix_cache_queries,
+        before.num_prefix_cache_hits,
+    )  # not looked up
+    record = engine.store.lookup("b")
+    assert record.prompt_ids == tuple(prompts["b"]) and record.num_tokens == len(prompts["b"])
+    alone = record_alone(model, None, torch.tensor(prompts["b"]))
+    for layer, ref_layer in zip(record.layers, alone.layers, strict=True):
+        for name, ref in ref_layer.items():
+            assert layer[name].shape == ref.shape and torch.allclose(layer[name], ref, atol=1e-5, rtol=1e-5), name
+    adapter = LoraAdapter(model.config, seed=0)
+    prompt, response = torch.tensor(prompts["b"]), torch.randint(6, 256, (9,), generator=g)
+    _, ref = recompute_grads(model, adapter, prompt, response)
+    _, got = replay_grads(model, adapter, record, prompt, response)
+    assert max_rel_l2(ref, got) <= 1e-5
+    # A request that is not recorded still hits: the shared blocks (in a's slot and in b's, both registered).
+    engine.generate([prompts["b"] + [7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.stats().num_prefix_cache_hits == after.num_prefix_cache_hits + 64
+
+
 def test_prompt_prefilled_whole_is_recorded_without_copies(tiny_dirs):
     """A recorded prompt that makes up (at least 3/4 of) one forward keeps that forward's outputs as its record;
     a small prompt beside it, and a prompt prefilled in chunks, are copied. Either way the record is the prompt's
