@@ -135,6 +135,19 @@ def test_extra_fields_top_k_and_alchemist_record(client, server):
     assert metrics["alchemist:activation_store_records"] >= 1 and metrics["alchemist:activation_store_bytes"] > 0
 
 
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(client, server):
+    system = {"role": "system", "content": "You answer in one short sentence. " * 12}  # several full blocks
+    before = server.metrics()
+    first = chat(client, [system, {"role": "user", "content": "Name a fruit."}], max_tokens=6)
+    after_first = server.metrics()
+    second = chat(client, [system, {"role": "user", "content": "Name a city."}], max_tokens=6)
+    after = server.metrics()
+    queries, hits = "alchemist:prefix_cache_queries_total", "alchemist:prefix_cache_hits_total"
+    assert after_first[queries] - before[queries] == first.usage.prompt_tokens
+    assert after[queries] - after_first[queries] == second.usage.prompt_tokens
+    assert after[hits] - after_first[hits] >= 64  # the shared system message's blocks
+
+
 def test_concurrent_requests_get_what_they_get_alone(client):
     prompts = [[{"role": "user", "content": f"Say something about the number {i}."}] for i in range(4)]
     alone = [chat(client, p, max_tokens=12).choices[0].message.content for p in prompts]
