@@ -20,7 +20,8 @@ per step (``alchemist.engine.merged_adapter``). The thread that steps the engine
 between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on training's time). A
 step never mixes two adapters. A request in flight at a swap continues with the new adapter from the next step, but
 its prompt record and its outputs' ``adapter_version`` keep the version its prefill started with (the oldest it saw;
-a preemption restarts the prefill, and the version).
+a preemption restarts the prefill, and the version). Prefix-cache blocks are keyed by that version
+(``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
 
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
 model), and run no torch work in other threads. On this 2-core CPU, stepping in a second thread made a batch-8
@@ -145,6 +146,7 @@ class LLMEngine:
         """Serves ``adapter`` (None: the base model) as ``version`` (0 for None, else >= 1) from the next step.
 
         The copy is taken here, in the caller's thread: changes to ``adapter`` after this returns are not served.
+        A version names one adapter's weights: keys/values cached under it (prefix caching) serve it again.
         """
         self._queue_adapter(self._served(adapter, version), version, None)
 

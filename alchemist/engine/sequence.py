@@ -3,8 +3,9 @@
 A ``Sequence`` holds prompt and output ids in one list (``token_ids``). Its progress is a single number,
 ``num_computed_tokens``: how many of ``token_ids`` have their keys/values in the cache. Each step computes the
 next chunk ``token_ids[num_computed_tokens:]`` (a prefill chunk, or the one token sampled last step) and, when
-that reaches the end of the list, samples a token. A preempted sequence restarts at 0 and so recomputes its
-prompt and the outputs so far, then continues where it stopped.
+that reaches the end of the list, samples a token. A sequence admitted on a prefix-cache hit starts past the
+cached tokens. A preempted sequence restarts at 0 (or at a hit) and so recomputes its prompt and the outputs so
+far, then continues where it stopped.
 
 State changes go through the named methods below (``admit``, ``advance``, ``append_token``, ``preempt``,
 ``finish``); the scheduler and block manager call them, nothing else writes the fields.
