@@ -37,12 +37,19 @@ def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, version
 
 def _extend(chain: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, version: int) -> list[bytes]:
     """``chain`` (the hashes of the first blocks) extended in place to ``num_blocks`` hashes."""
-    prev = chain[-1] if chain else version.to_bytes(8, "little")
     for i in range(len(chain), num_blocks):
-        block = array("q", token_ids[i * block_size : (i + 1) * block_size])
-        prev = hashlib.sha256(prev + block.tobytes()).digest()
-        chain.append(prev)
+        chain.append(
+            _block_hash(chain[-1] if chain else _seed(version), token_ids[i * block_size : (i + 1) * block_size])
+        )
     return chain
+
+
+def _seed(version: int) -> bytes:
+    return version.to_bytes(8, "little")
+
+
+def _block_hash(prev: bytes, block: list[int]) -> bytes:
+    return hashlib.sha256(prev + array("q", block).tobytes()).digest()
 
 
 class PrefixCache:
@@ -63,9 +70,11 @@ class PrefixCache:
         """The longest run of ``token_ids``' full blocks cached under ``version``, leaving at least one token to
         compute (the last one's logits are needed); among slots holding it, a free one if any (no copy)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
+        bs = self.block_size
         hashes: list[bytes] = []
         slots: set[int] = set()
-        for h in chain_hashes(token_ids, self.block_size, max_blocks, version):
+        for i in range(max_blocks):  # hash by hash: the first miss ends the walk
+            h = _block_hash(hashes[-1] if hashes else _seed(version), token_ids[i * bs : (i + 1) * bs])
             holders = self._index.get(h)
             if not holders:
                 break
@@ -74,8 +83,9 @@ class PrefixCache:
         if not hashes:
             return PrefixHit(None, 0, ())
         free = slots & free_slots
-        # Among free holders, the most recently used (an LRU pick would evict the other, colder ones first).
-        slot = max(free, key=self._last_used.__getitem__) if free else min(slots)
+        # Taking a free slot invalidates its blocks beyond the match: take the one with fewest (then the most
+        # recently used, the colder ones being evicted first anyway).
+        slot = min(free, key=lambda s: (len(self._chains[s]), -self._last_used[s])) if free else min(slots)
         return PrefixHit(slot, len(hashes) * self.block_size, tuple(hashes))
 
     def pick_free(self, free_slots: set[int]) -> int:
