@@ -7,7 +7,6 @@ Each subcommand registers its flags in a small function; heavy imports happen in
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 
@@ -369,10 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Before torch is imported: torch's CPU allocator then asks for transparent huge pages for its large buffers
-    # (weights, activations), which spares the TLB misses of streaming 270 MB of weights every decode step
-    # (docs/benchmarks.md, "Decode step"). A user's own setting wins.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # Imported after parsing: the engine package brings torch and transformers (~4 s), which --help and argument
     # errors never need.
     from alchemist.engine.host_memory import keep_freed_memory

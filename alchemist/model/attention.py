@@ -66,11 +66,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # decode reads every slot's cache each step: fewer TLB misses
-        memory.madvise(mmap.MADV_HUGEPAGE)
     # frombuffer keeps the mapping alive as long as the tensor (and its views) are
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
