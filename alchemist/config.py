@@ -36,8 +36,8 @@ class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"  # "auto": bf16 where this CPU/GPU runs it fast, else fp32
     device: str = "auto"
-    # KV-cache slots: sequences running at once. 32: a 2-core CPU still gains throughput from batch 16 to 32
-    # (docs/benchmarks.md, "Serving"), and the cache is touched only as far as it is used (KVCache).
+    # KV-cache slots: sequences running at once. 32: a 2-core CPU's decode throughput still nearly doubles from batch
+    # 8 to 32 (docs/benchmarks.md, "Decode step"), and the cache is resident only as far as it is used (KVCache).
     max_num_seqs: int = 32
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
     block_size: int = 16  # tokens per KV block (the unit of cache accounting)

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from alchemist.bench.latency import StreamClock
+
 
 @dataclass(frozen=True)
 class Chat:
@@ -60,9 +62,7 @@ def first_model_id(base_url: str, api_key: str) -> str:
 
 async def send_turn(client, model: str, messages: list[dict], max_tokens: int) -> tuple[RequestResult, str]:
     """One streamed chat request: its timings and the reply's text."""
-    start = time.perf_counter()
-    first = last = None
-    gaps: list[float] = []
+    clock = StreamClock()
     parts: list[str] = []
     num_tokens = prompt_tokens = None
     stream = await client.chat.completions.create(
@@ -71,21 +71,16 @@ async def send_turn(client, model: str, messages: list[dict], max_tokens: int) -
     )  # fmt: skip
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-            last = now
+            clock.content()
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             num_tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-    end = time.perf_counter()
+    e2e_s = clock.elapsed_s()
     if num_tokens is None:
         raise RuntimeError("the stream carried no usage (the server must support stream_options.include_usage)")
-    if first is None:
+    if clock.first is None:
         raise RuntimeError(f"no content streamed ({num_tokens} tokens)")
-    return RequestResult(first - start, end - start, num_tokens, prompt_tokens, gaps), "".join(parts)
+    return RequestResult(clock.ttft_s, e2e_s, num_tokens, prompt_tokens, clock.gaps), "".join(parts)
 
 
 def run_chats(

@@ -47,6 +47,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from alchemist.bench.latency import StreamClock, latency_fields
 from alchemist.bench.report import print_rows
 from alchemist.bench.serving import _free_port, stop_process
 from alchemist.bench.sharegpt import sample_requests
@@ -169,9 +170,7 @@ def trained_through(url: str) -> int:
 
 
 async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i: int) -> RequestResult:
-    start = time.perf_counter()
-    first = last = None
-    gaps: list[float] = []
+    clock = StreamClock()
     num_tokens = 0
     response_id = None
     stream = await client.chat.completions.create(
@@ -181,23 +180,18 @@ async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i:
     async for chunk in stream:
         response_id = chunk.id
         if chunk.choices and chunk.choices[0].delta.content:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-            last = now
+            clock.content()
         if chunk.usage is not None:
             num_tokens = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    if first is None or num_tokens != work.max_tokens[i]:
+    e2e_s = clock.elapsed_s()
+    if clock.first is None or num_tokens != work.max_tokens[i]:
         raise RuntimeError(f"request {i}: {num_tokens} tokens streamed, {work.max_tokens[i]} asked for")
     seq = None
     if work.feedback[i] is not None:
         answer = await http.post(url + "/v1/feedback", json={"response_id": response_id, **work.feedback[i]})
         answer.raise_for_status()
         seq = int(answer.json()["id"].removeprefix("fb-"))
-    return RequestResult(first - start, end - start, num_tokens, seq, gaps)
+    return RequestResult(clock.ttft_s, e2e_s, num_tokens, seq, clock.gaps)
 
 
 def run_load(url: str, work: Workload, indices: list[int]) -> tuple[list[RequestResult | BaseException], float]:
@@ -252,14 +246,7 @@ def bench_run(args: argparse.Namespace, run: str, work: Workload) -> dict:
     return row
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
-
-
 def summarize(run: str, results: list[RequestResult], failed: int, duration_s: float) -> dict:
-    ttft = [r.ttft_s for r in results]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.num_tokens - 1) for r in results]  # vLLM's TPOT
-    itl = [gap for r in results for gap in r.itl_s]  # every gap of every request: where a training slice shows
     tokens = sum(r.num_tokens for r in results)
     return {
         "run": run,
@@ -269,12 +256,7 @@ def summarize(run: str, results: list[RequestResult], failed: int, duration_s: f
         "load_s": round(duration_s, 1),
         "req_s": round(len(results) / duration_s, 3),
         "output_tok_s": round(tokens / duration_s, 1),
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "tpot_p50_ms": _pct(tpot, 50),
-        "tpot_p99_ms": _pct(tpot, 99),
-        "itl_p50_ms": _pct(itl, 50),
-        "itl_p99_ms": _pct(itl, 99),
+        **latency_fields(results),
     }
 
 

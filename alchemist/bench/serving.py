@@ -49,6 +49,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from alchemist.bench.chat_load import Chat, RequestResult, first_model_id, run_chats
+from alchemist.bench.latency import latency_fields
 from alchemist.bench.report import print_rows
 from alchemist.bench.sharegpt import Conversation, shuffled_conversations
 
@@ -232,16 +233,9 @@ def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -
 # --- the report -------------------------------------------------------------------------------------------------
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1e3, 1) if values else None
-
-
 def summarize(
     system: str, workload: str, concurrency: int, results: list[RequestResult], failed: int, duration_s: float
 ) -> dict:
-    ttft = [r.ttft_s for r in results]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.num_tokens - 1) for r in results if r.num_tokens > 1]  # vLLM's TPOT
-    itl = [gap for r in results for gap in r.itl_s]
     tokens = sum(r.num_tokens for r in results)
     return {
         "system": system,
@@ -253,12 +247,7 @@ def summarize(
         "prompt_tokens_mean": round(float(np.mean([r.prompt_tokens for r in results])), 1) if results else None,
         "duration_s": round(duration_s, 2),
         "output_tok_s": round(tokens / duration_s, 1),
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "tpot_p50_ms": _pct(tpot, 50),
-        "tpot_p99_ms": _pct(tpot, 99),
-        "itl_p50_ms": _pct(itl, 50),
-        "itl_p99_ms": _pct(itl, 99),
+        **latency_fields(results),
     }
 
 

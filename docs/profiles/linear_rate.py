@@ -4,7 +4,8 @@
 
 SmolLM2's fused gate/up projection (3,072 x 576, bf16, packed as ``alchemist.engine.packed_ops`` packs it), 2
 threads, median of 30: one weight called again and again (it stays in the CPU's caches), then 30 different weights
-in turn (each read from memory, as a decode step reads its layers).
+in turn (each read from memory, as a decode step reads its layers). The two are timed one after the other, not
+interleaved (``bench.report.interleaved_medians``): interleaving evicts the cached weight between its calls.
 """
 
 import statistics
