@@ -48,7 +48,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV block pool (default: every slot can fill)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (prefill chunk size)")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests beyond this get a 429")
-    p.add_argument("--compile", action="store_true", help="torch.compile the forward")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="decode without the compiled layer (skips its warm-up compile)"
+    )
     p.add_argument(
         "--no-merge-adapter", action="store_true", help="serve the adapter as a separate delta (saves a weight copy)"
     )
@@ -61,7 +63,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, compile=args.compile,
+        model=args.model, dtype=args.dtype, device=args.device, compile_decode=False if args.enforce_eager else None,
         merge_adapter=not args.no_merge_adapter, enable_prefix_caching=not args.no_enable_prefix_caching, **sizes,
     )  # fmt: skip
 
@@ -315,7 +317,7 @@ def _register_bench_serve(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request (EOS ignored)")
     p.add_argument("--reuse-prompts", action="store_true", help="every level of a workload sends the same prompts")
     p.add_argument("--systems", nargs="+", default=["http"], help="http, and in process: engine, transformers")
-    p.add_argument("--compile", action="store_true", help="torch.compile our forward (engine and our server)")
+    p.add_argument("--enforce-eager", action="store_true", help="our engine and server decode eager (no compile)")
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)

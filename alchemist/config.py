@@ -50,7 +50,9 @@ class EngineConfig:
     # Prompts start after the longest prefix of full blocks whose keys/values a slot still holds, computed under the
     # adapter version served (alchemist.engine.prefix_cache); recorded prompts are computed whole.
     enable_prefix_caching: bool = True
-    compile: bool = False  # torch.compile the forward: not supported yet (raises), see __post_init__
+    # Decode steps through the compiled layer (alchemist.engine.compiled_decode): None where it was measured faster
+    # (bf16 with our CPU decode kernel), True wherever it can run, False never (--enforce-eager).
+    compile_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -76,12 +78,8 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool (got {self.enable_prefix_caching!r})")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be a bool (got {self.compile!r})")
-        if self.compile:
-            # Refused rather than ignored: the forward's attention metadata changes every step, so a compiled
-            # forward recompiles every step; a decode path with static shapes is needed (docs/architecture.md).
-            raise ValueError("compile=True is not supported yet; serve eager (bf16 uses packed oneDNN linears)")
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ValueError(f"compile_decode must be a bool or None (got {self.compile_decode!r})")
 
     def resolve(self, max_position_embeddings: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in, checked against the model's context length."""

@@ -66,4 +66,8 @@ def decode_attention_op():
     except Exception as e:  # no compiler, no ninja, a failed build: serve with ATen's kernels instead
         log.warning("the CPU decode-attention kernel could not be built (%s: %s); using ATen's", type(e).__name__, e)
         return None
+    # Its shape for torch.compile's tracing (alchemist.engine.compiled_decode): the output is shaped as q.
+    torch.library.register_fake("alchemist::decode_attention")(
+        lambda q, k, v, k_cache, v_cache, slots, positions, scale: torch.empty_like(q)
+    )
     return torch.ops.alchemist.decode_attention
