@@ -35,6 +35,12 @@ def now_s() -> int:
     return int(time.time())
 
 
+def fingerprint(adapter_version: int) -> str:
+    """OpenAI's ``system_fingerprint`` names the backend configuration that answered: here the adapter version
+    (``alchemist-v0``: the base model), which is what changes as the server learns."""
+    return f"alchemist-v{adapter_version}"
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -210,6 +216,7 @@ class ChatCompletionResponse(OpenAIModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
@@ -235,6 +242,7 @@ class ChatCompletionChunk(OpenAIModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
 
@@ -258,6 +266,7 @@ class CompletionResponse(OpenAIModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_s)
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None  # always set on full responses; None in stream chunks
 

@@ -62,6 +62,15 @@ def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     return request.app.state.feedback.submit(body)
 
 
+@router.get("/v1/dashboard/series")
+async def dashboard_series(request: Request, since: float | None = None) -> dict[str, Any]:
+    """The dashboard's time series (``alchemist.server.series``): the points after unix time ``since``."""
+    series = request.app.state.series
+    if series is None:
+        raise ValueError("this server keeps no dashboard series")
+    return series.snapshot(since)
+
+
 @router.get("/v1/adapters")
 def adapters(request: Request) -> AdapterList:
     return request.app.state.adapters.list()
