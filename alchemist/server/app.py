@@ -33,6 +33,8 @@ from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
     AdapterNotFoundError,
     BodyTooLargeError,
+    FeedbackConflictError,
+    FeedbackNotFoundError,
     ModelNotFoundError,
     ResponseNotFoundError,
 )
@@ -57,6 +59,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
+    FeedbackNotFoundError: (404, "invalid_request_error", "feedback_not_found"),
+    FeedbackConflictError: (409, "invalid_request_error", "feedback_id_conflict"),  # a reused client feedback_id
     ValueError: (400, "invalid_request_error", None),
     Exception: (500, "internal_server_error", None),
 }

@@ -16,6 +16,7 @@ from alchemist.server.protocol import (
     AdapterList,
     ChatCompletionRequest,
     CompletionRequest,
+    FeedbackInfo,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
@@ -60,6 +61,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body)
+
+
+@router.get("/v1/feedback/{feedback_id}")
+def feedback_entry(feedback_id: str, request: Request) -> FeedbackInfo:
+    # A plain def: a read of the SQLite log, off the event loop.
+    return request.app.state.feedback.get(feedback_id)
 
 
 @router.get("/v1/dashboard/series")
