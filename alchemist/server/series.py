@@ -4,7 +4,7 @@
                                           "t": [unix s, ...], "series": {"training_loss": [...], ...}}
 
 Nothing is counted here: each sample reads what /metrics reads (``LLMEngine.stats()``, the online trainer's
-``OnlineStats``, the feedback log's last seq) and ``ServerMetrics.recent``, the latencies its ``observe`` keeps.
+``OnlineStats``, the feedback log's queued entries) and ``ServerMetrics.recent``, the latencies its ``observe`` keeps.
 Counters become rates (per second, between two samples); ratios are the trainer's totals so far, as /metrics shows
 them. A value that does not exist yet (no training step, no request finished in the window) is ``null``. The sampler
 is a thread of its own: it does no torch work, and the log's read must not stall the event loop.
@@ -28,7 +28,7 @@ SERIES = (
     "training_loss",  # of the last optimizer step
     "training_samples_per_s",  # feedback sample passes trained per second
     "training_tokens_per_s",  # their response tokens per second
-    "feedback_backlog",  # log entries after the trainer's checkpointed position (queued)
+    "feedback_backlog",  # feedback entries queued (neither trained nor skipped yet)
     "replay_hit_rate",  # share of sample passes replayed from a record, so far
     "replay_staleness",  # mean adapter versions between a replayed record and the adapter it trained, so far
     "adapter_version",  # the version the engine serves
@@ -91,8 +91,8 @@ class SeriesRecorder:
             point["training_loss"] = s.last_loss
             point["replay_hit_rate"] = s.replayed / passes if passes else None
             point["replay_staleness"] = s.staleness_sum / replays if replays else None
-            if self.log is not None:
-                point["feedback_backlog"] = max(0, self.log.last_seq() - trainer.position)
+        if self.log is not None:  # the partial index of queued entries makes this cheap
+            point["feedback_backlog"] = len(self.log.queued_seqs())
         point["adapter_version"] = self.read_version()
         if self._last is not None:
             then, before = self._last
@@ -110,7 +110,8 @@ class SeriesRecorder:
         for tier in TIERS:
             point[f"activation_bytes_{tier}"] = stats.activation_tier_bytes.get(tier, 0)
         with self._lock:
-            self.times.append(round(time.time(), 3))
+            t = round(time.time(), 3)  # strictly increasing, so that ?since= never drops a point
+            self.times.append(max(t, round(self.times[-1] + 0.001, 3)) if self.times else t)
             for name in SERIES:
                 self.values[name].append(_compact(point[name]))
         self._last = (now, counters)
