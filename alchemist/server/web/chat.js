@@ -89,10 +89,10 @@ function turnView(turn) {
   turn.answersEl = h("div", { class: "answers" });
   turn.statesEl = h("ul", { class: "states", role: "status", "aria-label": "Feedback" });
   const button = (label, title, onclick, extra = {}) =>
-    h("button", { type: "button", title, "aria-label": title, onclick, "data-needs-idle": true, ...extra }, label);
+    h("button", { type: "button", title, onclick, "data-needs-idle": true, ...extra }, label);
   turn.buttons = {
-    up: button("✓ Good", "Good answer", () => openForm(turn, "up")),
-    down: button("✗ Bad", "Bad answer", () => openForm(turn, "down")),
+    up: button("✓ Good", "Good answer", () => openForm(turn, "up"), { "aria-label": "Good answer" }),
+    down: button("✗ Bad", "Bad answer", () => openForm(turn, "down"), { "aria-label": "Bad answer" }),
     edit: button("Edit", "Edit the answer (a correction)", () => openForm(turn, "edit"), { class: "edit" }),
     regen: button("Regenerate", "Regenerate and choose the better answer", () => regenerate(turn)),
   };
