@@ -161,3 +161,13 @@ def check_pages_at(page: Page, width: int) -> None:
     assert page.evaluate("document.scrollingElement.scrollWidth") <= width
     page.screenshot(path=ARTIFACTS / f"dashboard-{width}.png")
     assert page.evaluate("JSON.parse(localStorage.getItem('alchemist.settings')).apiKey") == "sk-ui-test"
+
+
+def test_bench_ui_measures_page_weight_and_painted_ttft(browser, web_server):
+    from alchemist.bench.ui import latency, page_weight
+
+    weight = page_weight(browser, web_server.base_url, "/", settle_s=0.5)
+    assert 5_000 < weight["bytes"] < 300_000 and weight["requests"] >= 4  # the page, css, 2 scripts, the models
+    timing = latency(browser, web_server.base_url, rounds=1, max_tokens=4)
+    assert timing["server_ttft_ms_p50"] > 0 and timing["page_ttft_ms_p50"] > 0
+    assert timing["paint_overhead_ms"] > 0 and timing["api_overhead_ms"] > 0
