@@ -220,6 +220,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     _register_bench_train(bsub)
     _register_bench_memory(bsub)
     _register_bench_online(bsub)
+    _register_bench_ui(bsub)
     return bsub
 
 
@@ -353,6 +354,26 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_online)
+
+
+def _bench_ui(args: argparse.Namespace) -> int:
+    from alchemist.bench.ui import main
+
+    return main(args)
+
+
+def _register_bench_ui(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("ui", help="the web app in chromium: page weight, time to first token painted vs the API's")
+    p.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
+    p.add_argument("--model-path", default=None, help="of the server started here (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of a server started here")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (of the server started here)")
+    p.add_argument("--rounds", type=int, default=8, help="questions asked both through the API and in the page")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--settle-s", type=float, default=1.0, help="requests after the load event still counted")
+    p.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_ui, compile=False)
 
 
 # Subcommands register here; each adds its own parser.

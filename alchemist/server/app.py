@@ -33,6 +33,8 @@ from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
     AdapterNotFoundError,
     BodyTooLargeError,
+    FeedbackConflictError,
+    FeedbackNotFoundError,
     ModelNotFoundError,
     ResponseNotFoundError,
 )
@@ -40,7 +42,9 @@ from alchemist.server.feedback import FeedbackService
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.routes import router
+from alchemist.server.series import SeriesRecorder
 from alchemist.server.service import OpenAIServing
+from alchemist.server.web import mount_web
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 
@@ -55,6 +59,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
+    FeedbackNotFoundError: (404, "invalid_request_error", "feedback_not_found"),
+    FeedbackConflictError: (409, "invalid_request_error", "feedback_id_conflict"),  # a reused client feedback_id
     ValueError: (400, "invalid_request_error", None),
     Exception: (500, "internal_server_error", None),
 }
@@ -130,22 +136,32 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 def build_app(
-    serving: OpenAIServing, async_engine: AsyncEngine, metrics: ServerMetrics, max_body_bytes: int
+    serving: OpenAIServing,
+    async_engine: AsyncEngine,
+    metrics: ServerMetrics,
+    max_body_bytes: int,
+    series: SeriesRecorder | None = None,
 ) -> FastAPI:
-    """The app around ready parts; the engine thread runs for the app's lifespan."""
+    """The app around ready parts; the engine thread and the dashboard's sampler run for the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if series is not None:
+            series.start()
         try:
             yield
         finally:
+            if series is not None:
+                series.stop()
             async_engine.shutdown()
 
     app = FastAPI(title="alchemist", lifespan=lifespan)
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.series = series
     app.include_router(router)
+    mount_web(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
@@ -200,7 +216,8 @@ def app_for_engine(
     assert engine.config.max_model_len is not None
     anchors = trainer.anchors if trainer is not None else None
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
-    app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
+    series = SeriesRecorder(metrics, feedback_log, lambda: engine.adapter_version)
+    app = build_app(serving, async_engine, metrics, server_config.max_body_bytes, series)
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     app.state.feedback_log = feedback_log
@@ -227,6 +244,13 @@ def create_app(
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config)
     names = served_model_names(server_config, loaded.source, engine_config.model)
     return app_for_engine(engine, names, server_config, own_step_thread, online_config)
+
+
+def app_urls(server_config: ServerConfig) -> str:
+    """The start-up line: where people open the app (an any-address bind is opened on this machine)."""
+    host = "127.0.0.1" if server_config.host in ("", "0.0.0.0", "::") else server_config.host
+    base = f"http://{f'[{host}]' if ':' in host else host}:{server_config.port}"
+    return f"alchemist: chat at {base}/  dashboard at {base}/dashboard  OpenAI API at {base}/v1"
 
 
 def run_server(
@@ -259,6 +283,7 @@ def run_server(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     async_engine: AsyncEngine = app.state.async_engine
+    print(app_urls(server_config), flush=True)
     http = threading.Thread(target=serve_http, name="uvicorn")
     http.start()
     try:

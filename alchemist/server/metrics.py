@@ -9,6 +9,9 @@ are current even while the engine sleeps. ``feedback_total`` counts the feedback
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -130,6 +133,25 @@ class _TrainingCollector(Collector):
         )
 
 
+class LatencyWindow:
+    """The TTFT and TPOT of recently finished requests, for the dashboard's percentiles (a histogram's buckets are
+    too coarse for a p50 over a few seconds). Fed by ``ServerMetrics.observe``; read from another thread."""
+
+    def __init__(self, maxlen: int = 4096):
+        self._items: deque[tuple[float, float, float]] = deque(maxlen=maxlen)  # (finished at, ttft_s, tpot_s)
+        self._lock = threading.Lock()
+
+    def add(self, ttft_s: float, tpot_s: float, now: float | None = None) -> None:
+        with self._lock:
+            self._items.append((time.monotonic() if now is None else now, ttft_s, tpot_s))
+
+    def since(self, t: float) -> tuple[list[float], list[float]]:
+        """(TTFTs, TPOTs) of the requests that finished at or after monotonic time ``t``."""
+        with self._lock:
+            recent = [item for item in self._items if item[0] >= t]
+        return [ttft for _, ttft, _ in recent], [tpot for _, _, tpot in recent]
+
+
 class ServerMetrics:
     def __init__(self, read_stats: Callable[[], EngineStats], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -159,6 +181,9 @@ class ServerMetrics:
         for kind in KINDS:  # every kind from 0, so that rates exist before the first entry of a kind
             self.feedback.labels(kind=kind)
         r.register(_EngineStatsCollector(read_stats))
+        self.read_stats = read_stats
+        self.trainer = None  # the OnlineTrainer, once watch_training is called
+        self.recent = LatencyWindow()
 
     def observe(self, outputs: Sequence[RequestOutput]) -> None:
         """Called with each step's outputs from the engine thread (prometheus_client is thread-safe)."""
@@ -174,6 +199,7 @@ class ServerMetrics:
             if out.output_token_ids:  # an aborted request may have none: no TTFT to speak of
                 self.ttft.observe(t.ttft_s)
                 self.tpot.observe(t.tpot_s)
+                self.recent.add(t.ttft_s, t.tpot_s)
 
     def observe_feedback(self, entry: FeedbackEntry) -> None:
         """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""
@@ -181,6 +207,7 @@ class ServerMetrics:
 
     def watch_training(self, trainer) -> None:
         """Expose the online trainer's metrics (an OnlineTrainer)."""
+        self.trainer = trainer
         self.registry.register(_TrainingCollector(trainer))
 
     def render(self) -> bytes:

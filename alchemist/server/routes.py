@@ -16,6 +16,7 @@ from alchemist.server.protocol import (
     AdapterList,
     ChatCompletionRequest,
     CompletionRequest,
+    FeedbackInfo,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
@@ -60,6 +61,21 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body)
+
+
+@router.get("/v1/feedback/{feedback_id}")
+def feedback_entry(feedback_id: str, request: Request) -> FeedbackInfo:
+    # A plain def: a read of the SQLite log, off the event loop.
+    return request.app.state.feedback.get(feedback_id)
+
+
+@router.get("/v1/dashboard/series")
+async def dashboard_series(request: Request, since: float | None = None) -> dict[str, Any]:
+    """The dashboard's time series (``alchemist.server.series``): the points after unix time ``since``."""
+    series = request.app.state.series
+    if series is None:
+        raise ValueError("this server keeps no dashboard series")
+    return series.snapshot(since)
 
 
 @router.get("/v1/adapters")

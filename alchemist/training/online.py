@@ -47,6 +47,8 @@ from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
+SKIP_REASONS = {"invalid": "nothing to learn: the prompt or the response is empty"}
+
 
 @dataclass
 class OnlineStats:
@@ -114,7 +116,21 @@ class OnlineTrainer:
         self.adapter.version = latest.version
         self.position = self._read_position = latest.log_position
         self.engine.set_adapter(self.adapter, latest.version)
+        self._settle_checkpointed()
         logger.info("online trainer: resumed at adapter version %d, log position %d", latest.version, self.position)
+
+    def _settle_checkpointed(self) -> None:
+        """The log's states catch up with the checkpoints: the entries a kept version trained (the log is told
+        right after each checkpoint; a crash in between leaves them queued), then the queued ones before the
+        position, which only a log from before states were kept has (its trainer trained "sft" entries and passed
+        the other kinds over)."""
+        for info in self.checkpoints.versions():
+            self.log.mark_trained(info.metrics.get("seqs", []), info.version)
+        passed = self.log.queued_seqs(through_seq=self.position)
+        self.log.mark_trained([seq for seq, kind in passed if kind == "sft"], None)
+        for kind in {kind for _, kind in passed if kind != "sft"}:
+            seqs = [seq for seq, k in passed if k == kind]
+            self.log.mark_skipped(seqs, f"logged before the trainer trained {kind!r} feedback")
 
     def _load(self, version: int) -> None:
         model = self.engine.model
@@ -167,6 +183,7 @@ class OnlineTrainer:
         return elapsed
 
     def _read_new(self) -> None:
+        skipped: dict[str, list[int]] = {}
         for entry in self.log.read(after_seq=self._read_position, limit=max(64, self.config.batch_size)):
             self._read_position = entry.seq
             self.anchors.exclude(entry.response_id, entry.prompt_token_ids)
@@ -177,6 +194,9 @@ class OnlineTrainer:
                 self._batch.append(entry)
             else:
                 self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
+                skipped.setdefault(kind, []).append(entry.seq)
+        for kind, seqs in skipped.items():
+            self.log.mark_skipped(seqs, SKIP_REASONS.get(kind, f"{kind!r} feedback is not trained"))
 
     def _abandon(self) -> None:
         """Drop the batch in progress: back to the latest checkpoint's adapter and optimizer state (epochs already
@@ -238,6 +258,7 @@ class OnlineTrainer:
         state = self.trainer.optimizer.state_dict()
         yield from self.checkpoints.save_slices(self.version, self.adapter, state, batch[-1].seq, metrics)
         self.position = batch[-1].seq
+        self.log.mark_trained([e.seq for e in batch], self.version)  # after the commit: restore() redoes it if lost
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them

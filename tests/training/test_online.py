@@ -68,6 +68,8 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
     assert [v.version for v in versions] == [2, 4, 6]  # two epochs = two optimizer steps per batch
     assert versions[-1].log_position == seqs[-1] == trainer.position
     assert engine.adapter_version == 6
+    states = [(e.state, e.trained_version) for e in log.read()]
+    assert states == [("trained", 2), ("trained", 2), ("trained", 4), ("trained", 4), ("trained", 6)]
     # The records were made with the base adapter (version 0); max_staleness (4) lets every pass replay while the
     # adapter is at versions 0..4: the first batch at 0 and 1, the second at 2 and 3, the last at 4, then stale.
     assert (trainer.stats.replayed, trainer.stats.recomputed) == (9, 1)
@@ -102,6 +104,28 @@ def test_restart_resumes_exactly_where_the_checkpoint_is(engine, tmp_path):
     assert resumed.trainer.optimizer.state_dict()["state"].keys() == optimizer_state["state"].keys()
     drain(resumed)
     assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs[:2], seqs[2:4]]
+
+
+def test_restart_settles_what_the_checkpoints_trained_and_a_version_1_log_passed(engine, tmp_path):
+    """The log is told after each checkpoint: a crash in between leaves the batch queued in the log, and restore
+    settles it from the checkpoint. A log from before states were kept has every entry queued: those before the
+    checkpointed position were trained ("sft") or passed over (other kinds) by the trainer of their time."""
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 2)
+    ids = dict(prompt_token_ids=[1, 2], response_token_ids=[3], output_token_ids=[3])
+    negative, _ = log.append(response_id="neg", kind="negative", rating=-1, adapter_version=0, recorded=False, **ids)
+    seqs += serve_and_log(engine, log, 2, seed=1)
+    drain(trainer)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs[:2], seqs[2:4]]
+    assert log.get(negative.seq).state == "skipped"
+    # Forget the states, as a crash right after the checkpoint, or a version-1 log, would have them ...
+    log._conn.execute("UPDATE feedback SET state = 'queued', trained_version = NULL, skip_reason = NULL")
+    checkpoints._discard(checkpoints.versions()[0].path)  # ... and the first batch's version is no longer kept
+    online(engine, tmp_path)  # restore
+    settled = {e.seq: (e.state, e.trained_version, e.skip_reason) for e in log.read()}
+    assert [settled[s] for s in seqs] == [("trained", None, None)] * 2 + [("trained", 4, None)] * 2
+    state, version, reason = settled[negative.seq]
+    assert (state, version) == ("skipped", None) and "negative" in reason
 
 
 def test_a_failing_batch_is_trained_again_from_the_checkpoint(engine, tmp_path):
