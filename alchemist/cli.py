@@ -121,11 +121,29 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--train-anchor-max-tokens", type=int, default=d.anchor_max_tokens, help="response tokens of an anchor"
     )
+    _add_objective_flags(p, d)
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
     p.add_argument(
         "--keep-adapter-versions", type=int, default=d.keep_versions, help="adapter versions kept (rollback targets)"
     )
+
+
+def _add_objective_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
+    """The objectives' weights and betas, and the backlog policy."""
+    for kind, what in (("sft", "corrections"), ("kto", "ratings without a correction"), ("dpo", "preference pairs")):
+        p.add_argument(f"--train-{kind}-weight", type=float, default=getattr(d, f"{kind}_weight"),
+                       help=f"weight of the {kind.upper()} loss ({what}) in a step")  # fmt: skip
+    p.add_argument("--train-kto-beta", type=float, default=d.kto_beta)
+    p.add_argument("--train-dpo-beta", type=float, default=d.dpo_beta)
+    p.add_argument("--train-kto-desirable-weight", type=float, default=d.kto_desirable_weight)
+    p.add_argument("--train-kto-undesirable-weight", type=float, default=d.kto_undesirable_weight)
+    p.add_argument("--train-thumbs-up", choices=("kto", "sft"), default=d.thumbs_up,
+                   help="a thumbs-up without a correction: KTO-desirable, or SFT on the served answer")  # fmt: skip
+    p.add_argument("--train-skip-ratings-after-s", type=float, default=d.skip_ratings_after_s,
+                   help="skip ratings and preferences not trained this long after arrival (0: never)")  # fmt: skip
+    p.add_argument("--train-skip-corrections-after-s", type=float, default=d.skip_corrections_after_s,
+                   help="skip corrections not trained this long after arrival (0: never)")  # fmt: skip
 
 
 def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
@@ -157,6 +175,16 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         anchor_samples=args.train_anchor_samples,
         anchor_top_k=args.train_anchor_top_k,
         anchor_max_tokens=args.train_anchor_max_tokens,
+        sft_weight=args.train_sft_weight,
+        kto_weight=args.train_kto_weight,
+        dpo_weight=args.train_dpo_weight,
+        kto_beta=args.train_kto_beta,
+        dpo_beta=args.train_dpo_beta,
+        kto_desirable_weight=args.train_kto_desirable_weight,
+        kto_undesirable_weight=args.train_kto_undesirable_weight,
+        thumbs_up=args.train_thumbs_up,
+        skip_ratings_after_s=args.train_skip_ratings_after_s,
+        skip_corrections_after_s=args.train_skip_corrections_after_s,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,

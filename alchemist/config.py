@@ -179,9 +179,32 @@ class OnlineConfig:
     anchor_top_k: int = 32
     anchor_max_tokens: int = 64  # an anchor is its response's first tokens (a sample of the KL's positions)
     anchor_pool_size: int = 256  # served completions kept as candidate anchors
+    # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
+    # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
+    sft_weight: float = 1.0
+    kto_weight: float = 1.0
+    dpo_weight: float = 1.0
+    kto_beta: float = 0.1
+    dpo_beta: float = 0.1
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0
+    thumbs_up: str = "kto"  # a thumbs-up without a correction: KTO-desirable ("kto") or SFT on the served answer
+    # The backlog policy: a rating or preference still untrained this long after it arrived is skipped (its state
+    # says why); corrections are skipped after skip_corrections_after_s (0: never). 0 disables either.
+    skip_ratings_after_s: float = 1800.0
+    skip_corrections_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
+        for name in ("sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight", "kto_undesirable_weight",
+                     "skip_ratings_after_s", "skip_corrections_after_s"):  # fmt: skip
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)!r})")
+        for name in ("kto_beta", "dpo_beta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive (got {getattr(self, name)!r})")
+        if self.thumbs_up not in ("kto", "sft"):
+            raise ValueError(f"thumbs_up must be 'kto' or 'sft' (got {self.thumbs_up!r})")
         _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_max_tokens", "anchor_pool_size")
         if (
             not isinstance(self.group_max_tokens, int)

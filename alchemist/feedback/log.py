@@ -34,12 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from alchemist.feedback.schema import migrate
+from alchemist.feedback.schema import STATES, migrate
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("sft", "negative", "preference")
 RATINGS = (1, -1)
+# What people gave, as the backlog shows it and the trainer orders it: a correction, a rating, a preference.
+CLASSES = ("correction", "thumbs_up", "thumbs_down", "preference")
+CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
+    WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
 
 _INSERTED = (  # the columns append() binds, in its order (the state's defaults apply)
     "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
@@ -213,6 +217,65 @@ class FeedbackLog:
         if not reason:
             raise ValueError("a skipped entry needs its reason")
         return self._settle(seqs, "state = 'skipped', skip_reason = ?", (reason,))
+
+    def next_queued(self, limit: int) -> list[FeedbackEntry]:
+        """Up to ``limit`` queued entries in training order: corrections first, then the rest, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT * FROM feedback WHERE state = 'queued' ORDER BY {CLASS} != 'correction', seq LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def entries(self, state: str | None = None, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
+        """Up to ``limit`` entries (in ``state``, if given) with seq > ``after_seq``, oldest first."""
+        where = "seq > ?" + ("" if state is None else " AND state = ?")
+        args = (after_seq,) + (() if state is None else (state,))
+        with self._lock:
+            rows = self._conn.execute(f"SELECT * FROM feedback WHERE {where} ORDER BY seq LIMIT ?", (*args, limit))
+            return [_entry(r) for r in rows.fetchall()]
+
+    def backlog(self) -> dict[str, tuple[int, float | None]]:
+        """Queued entries by class ("correction", "thumbs_up", "thumbs_down", "preference"): (count, the oldest's
+        created_s or None), every class present."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {CLASS}, COUNT(*), MIN(created_s) FROM feedback WHERE state = 'queued' GROUP BY 1"
+            ).fetchall()
+        return {c: (0, None) for c in CLASSES} | {c: (n, oldest) for c, n, oldest in rows}
+
+    def state_counts(self) -> dict[str, int]:
+        """Entries per state (every state present, 0 when none)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT state, COUNT(*) FROM feedback GROUP BY state").fetchall()
+        return {state: 0 for state in STATES} | dict(rows)
+
+    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
+        """Marks skipped, for ``reason``, the queued entries of ``classes`` that arrived before
+        ``created_before_s``; returns how many."""
+        if not classes:
+            return 0
+        marks = ", ".join("?" * len(classes))
+        with self._lock:
+            return self._conn.execute(
+                f"UPDATE feedback SET state = 'skipped', skip_reason = ?, settled_s = ? "
+                f"WHERE state = 'queued' AND created_s < ? AND {CLASS} IN ({marks})",
+                (reason, time.time(), created_before_s, *classes),
+            ).rowcount
+
+    def settled_through(self, excluding: Sequence[int] = ()) -> int:
+        """The largest seq up to which every entry is settled (trained or skipped) or among ``excluding``."""
+        marks = ", ".join("?" * len(excluding))
+        with self._lock:  # one read transaction: an append in between cannot slip under the answer
+            self._conn.execute("BEGIN")
+            try:
+                last = self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
+                first = self._conn.execute(
+                    f"SELECT MIN(seq) FROM feedback WHERE state = 'queued' AND seq NOT IN ({marks})", tuple(excluding)
+                ).fetchone()[0]
+            finally:
+                self._conn.execute("COMMIT")
+        return last if first is None else first - 1
 
     def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
         """(seq, kind) of the queued entries (with seq <= ``through_seq``), oldest first."""

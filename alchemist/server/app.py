@@ -195,6 +195,7 @@ def app_for_engine(
     metrics = ServerMetrics(engine.stats)
     feedback_log = FeedbackLog(server_config.feedback_db_path)
     feedback_log.add_listener(metrics.observe_feedback)
+    metrics.watch_feedback(feedback_log)
     trainer = None
     checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
     if online_config.enabled:

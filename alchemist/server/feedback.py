@@ -18,6 +18,7 @@ Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the
 from __future__ import annotations
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog, idempotency_key
+from alchemist.feedback.schema import STATES
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.server import protocol as p
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
@@ -27,6 +28,8 @@ from alchemist.server.errors import (
     InvalidRequestError,
     ResponseNotFoundError,
 )
+
+MAX_LIST = 1000  # entries in one GET /v1/feedback
 
 
 class FeedbackService:
@@ -83,6 +86,19 @@ class FeedbackService:
         if entry is None:
             raise FeedbackNotFoundError(feedback_id)
         return _info(entry)
+
+    def entries(self, state: str | None, after: str | None, limit: int) -> p.FeedbackList:
+        """Entries (in ``state``) after the entry ``after`` ("fb-<seq>"), oldest first, and the backlog."""
+        if state is not None and state not in STATES:
+            raise InvalidRequestError(f"state must be one of {', '.join(STATES)} (got {state!r})", "state")
+        if after is not None and not p.SERVER_FEEDBACK_ID.fullmatch(after):
+            raise InvalidRequestError(f"after must be a feedback id fb-<seq> (got {after!r})", "after")
+        if not 1 <= limit <= MAX_LIST:
+            raise InvalidRequestError(f"limit must be in 1..{MAX_LIST} (got {limit})", "limit")
+        entries = self.log.entries(state, int(after[3:]) if after else 0, limit + 1)
+        backlog = {kind: p.BacklogClass(count=n, oldest_created_at=None if oldest is None else int(oldest))
+                   for kind, (n, oldest) in self.log.backlog().items()}  # fmt: skip
+        return p.FeedbackList(data=[_info(e) for e in entries[:limit]], has_more=len(entries) > limit, backlog=backlog)
 
     @staticmethod
     def _repeat(entry: FeedbackEntry, req: p.FeedbackRequest) -> p.FeedbackResponse:

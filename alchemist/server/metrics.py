@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from alchemist.engine import EngineStats, RequestOutput
-from alchemist.feedback.log import KINDS, FeedbackEntry
+from alchemist.feedback.log import KINDS, FeedbackEntry, FeedbackLog
 
 PREFIX = "alchemist:"
 # vLLM's buckets, extended at the slow end for a CPU.
@@ -152,6 +152,30 @@ class LatencyWindow:
         return [ttft for _, ttft, _ in recent], [tpot for _, _, tpot in recent]
 
 
+class _FeedbackStateCollector(Collector):
+    """The feedback log's backlog and states, read from the log when Prometheus scrapes (trainer or not)."""
+
+    def __init__(self, log: FeedbackLog):
+        self.log = log
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time()
+        count = GaugeMetricFamily(PREFIX + "feedback_backlog", "Feedback queued for training, by class.",
+                                  labels=["kind"])  # fmt: skip
+        age = GaugeMetricFamily(PREFIX + "feedback_backlog_oldest_seconds",
+                                "Age of the oldest queued feedback of each class (0 when none).",
+                                labels=["kind"])  # fmt: skip
+        for kind, (n, oldest) in self.log.backlog().items():
+            count.add_metric([kind], n)
+            age.add_metric([kind], 0.0 if oldest is None else now - oldest)
+        yield count
+        yield age
+        states = GaugeMetricFamily(PREFIX + "feedback_entries", "Feedback log entries by state.", labels=["state"])
+        for state, n in self.log.state_counts().items():
+            states.add_metric([state], n)
+        yield states
+
+
 class ServerMetrics:
     def __init__(self, read_stats: Callable[[], EngineStats], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -204,6 +228,10 @@ class ServerMetrics:
     def observe_feedback(self, entry: FeedbackEntry) -> None:
         """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""
         self.feedback.labels(kind=entry.kind).inc()
+
+    def watch_feedback(self, log: FeedbackLog) -> None:
+        """Expose the feedback log's backlog (by class, with the oldest's age) and its entries by state."""
+        self.registry.register(_FeedbackStateCollector(log))
 
     def watch_training(self, trainer) -> None:
         """Expose the online trainer's metrics (an OnlineTrainer)."""

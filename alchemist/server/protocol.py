@@ -367,6 +367,20 @@ class FeedbackInfo(OpenAIModel):
     skip_reason: str | None  # why it will not be trained ("skipped")
 
 
+class BacklogClass(OpenAIModel):
+    count: int  # queued entries of this class
+    oldest_created_at: int | None  # unix seconds of the oldest one's arrival
+
+
+class FeedbackList(OpenAIModel):
+    """GET /v1/feedback: entries oldest first (filtered by state), and the backlog by class."""
+
+    object: Literal["list"] = "list"
+    data: list[FeedbackInfo]
+    has_more: bool  # more entries after the last one here (ask again with after=<its id>)
+    backlog: dict[str, BacklogClass]  # "correction", "thumbs_up", "thumbs_down", "preference"
+
+
 class FeedbackResponse(FeedbackInfo):
     """POST /v1/feedback's answer: the entry, and whether this request wrote it."""
 

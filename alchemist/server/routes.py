@@ -17,6 +17,7 @@ from alchemist.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FeedbackInfo,
+    FeedbackList,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
@@ -61,6 +62,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body)
+
+
+@router.get("/v1/feedback")
+def feedback_list(request: Request, state: str | None = None, after: str | None = None, limit: int = 100) -> (
+    FeedbackList
+):
+    # A plain def: a read of the SQLite log, off the event loop.
+    return request.app.state.feedback.entries(state, after, limit)
 
 
 @router.get("/v1/feedback/{feedback_id}")

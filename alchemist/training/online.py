@@ -5,17 +5,20 @@
         engine.step()
         if trainer.has_work(): trainer.run_slice()
 
-The story of one mini-batch: read the next ``sft`` entries of the log -> samples (prompt, response to learn, the
-prompt's record) -> ``epochs`` optimizer steps, each sample replayed from its record where the record is fresh
-enough, recomputed otherwise -> publish the new adapter version to the engine -> checkpoint it (adapter, optimizer
-state, the log position of the batch's last entry, its metrics) atomically. "negative" and "preference" entries
-are passed over (counted; a later objective trains on them). Each step also keeps the adapted model close to the
-base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over ``anchor_samples`` anchors
-(``alchemist.training.anchors``; replayed from their records too).
+The story of one mini-batch: the next queued entries of the log, corrections first, oldest first
+(``alchemist.training.feedback_queue``, which also skips what the backlog policy gives up on) -> a
+``FeedbackBatch``: corrections by SFT, ratings by KTO, preference pairs by DPO, against the base model's
+log-probabilities, computed once (``alchemist.training.objectives``) -> ``epochs`` optimizer steps, each sample
+replayed from its record where the record is fresh enough, recomputed otherwise -> publish the new adapter version
+to the engine -> checkpoint it (adapter, optimizer state, the log position up to which everything is settled, its
+metrics and the seqs it trained) atomically -> mark the entries trained in the log. Each step also keeps the
+adapted model close to the base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over
+``anchor_samples`` anchors (``alchemist.training.anchors``; replayed from their records too).
 
-Exactly once: the position in the log moves only with a checkpoint. A crash before it loses the batch's update,
-and the restarted trainer (``restore``) reads the same entries again from the checkpointed position; a crash after
-it never sees them again. Acknowledged feedback is in the log before the server answers, so none is lost.
+Exactly once: an entry is queued in the log until its batch's checkpoint is committed. A crash before it loses the
+batch's update, and the restarted trainer reads the same entries again (still queued); a crash between the
+checkpoint and the log's update is settled by ``restore`` from the checkpoint's seqs. Acknowledged feedback is in
+the log before the server answers, so none is lost.
 
 Slices: all work is done in small slices (half a layer of a replay walk, a layer of the anchors' reference forward
 or of a publish's merge, a sample's loss, a recomputed group of samples trained together, an update, a checkpoint)
@@ -43,11 +46,11 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
+from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
-
-SKIP_REASONS = {"invalid": "nothing to learn: the prompt or the response is empty"}
 
 
 @dataclass
@@ -59,7 +62,7 @@ class OnlineStats:
     response_tokens: int = 0  # tokens trained on, summed over sample passes
     replayed: int = 0
     recomputed: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # log entries of kinds not trained yet, by kind
+    skipped: dict[str, int] = field(default_factory=dict)  # entries the queue skipped, by why ("empty", "backlog")
     last_loss: float | None = None
     last_tokens_per_s: float = 0.0  # training tokens / training time, of the last batch
     train_s: float = 0.0  # time spent in training slices
@@ -96,10 +99,14 @@ class OnlineTrainer:
             ),
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
-        self.stats = OnlineStats()
-        self.position = 0  # seq of the last log entry whose training is checkpointed
-        self._read_position = 0  # seq of the last entry taken into a batch (>= position)
-        self._batch: list[FeedbackEntry] = []  # sft entries waiting for a step
+        self.weights = ObjectiveWeights(
+            sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
+            dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
+        )  # fmt: skip
+        # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
+        self.queue = FeedbackQueue(log, config, lambda e: self.anchors.exclude(e.response_id, e.prompt_token_ids))
+        self.stats = OnlineStats(skipped=self.queue.skipped)
+        self.position = 0  # every log entry up to this seq is settled (trained or skipped) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
         self._lock = threading.Lock()  # a slice and a rollback never interleave
@@ -114,7 +121,7 @@ class OnlineTrainer:
             return
         self._load(latest.version)
         self.adapter.version = latest.version
-        self.position = self._read_position = latest.log_position
+        self.position = self.queue.seen = latest.log_position
         self.engine.set_adapter(self.adapter, latest.version)
         self._settle_checkpointed()
         logger.info("online trainer: resumed at adapter version %d, log position %d", latest.version, self.position)
@@ -154,11 +161,11 @@ class OnlineTrainer:
             return False
         if self._job is not None:
             return True
-        self._read_new()
-        if not self._batch:
+        head = self.queue.head()
+        if not head:
             return False
-        waited_s = time.time() - self._batch[0].created_s
-        return len(self._batch) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+        waited_s = time.time() - min(entry.created_s for entry, _ in head)
+        return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
         """One slice of training work; returns the seconds it took."""
@@ -167,14 +174,13 @@ class OnlineTrainer:
             if self._job is None:
                 if not self.has_work():
                     return 0.0
-                batch, self._batch = self._batch[: self.config.batch_size], self._batch[self.config.batch_size :]
-                self._job = self._train(batch)
+                self._job = self._train(self.queue.head())
             try:
                 next(self._job)
             except StopIteration:
                 self._job = None
             except Exception:
-                # Nothing acknowledged is lost: the position did not move, the entries are read again later.
+                # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
                 logger.exception("online training failed; its batch will be read again")
                 self._abandon()
         elapsed = time.perf_counter() - t0
@@ -182,27 +188,11 @@ class OnlineTrainer:
         self._job_s += elapsed
         return elapsed
 
-    def _read_new(self) -> None:
-        skipped: dict[str, list[int]] = {}
-        for entry in self.log.read(after_seq=self._read_position, limit=max(64, self.config.batch_size)):
-            self._read_position = entry.seq
-            self.anchors.exclude(entry.response_id, entry.prompt_token_ids)
-            kind = entry.kind
-            if kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
-                kind = "invalid"  # nothing to learn (an empty served output): never a poison pill for the loop
-            if kind == "sft":
-                self._batch.append(entry)
-            else:
-                self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
-                skipped.setdefault(kind, []).append(entry.seq)
-        for kind, seqs in skipped.items():
-            self.log.mark_skipped(seqs, SKIP_REASONS.get(kind, f"{kind!r} feedback is not trained"))
-
     def _abandon(self) -> None:
         """Drop the batch in progress: back to the latest checkpoint's adapter and optimizer state (epochs already
         applied must not count), and read the log again from its position."""
         self._job = None
-        self._batch.clear()
+        self.queue.changed()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         latest = self.checkpoints.latest()
         if latest is not None:
@@ -211,7 +201,6 @@ class OnlineTrainer:
         else:
             self._load_initial()
             self.adapter.version = 0
-        self._read_position = self.position
 
     def _load_initial(self) -> None:
         """The adapter as it starts (B = 0: it serves exactly the base model's outputs), a fresh optimizer."""
@@ -221,18 +210,22 @@ class OnlineTrainer:
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
-    def _train(self, batch: list[FeedbackEntry]) -> Generator[None, None, None]:
+    def _train(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
-        samples = [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in batch]
+        feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.group_size)
+        if feedback.kto or feedback.dpo:
+            yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
-        losses, kls, tokens = [], [], 0
+        losses, kls, tokens, by_objective = [], [], 0, {}
         self._job_s = 0.0
-        passes = samples + anchors
-        scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
-                  for s in passes]  # fmt: skip
         for _ in range(self.config.epochs):
+            samples, scales = yield from feedback.samples_slices(self.engine.model, self.adapter)
+            passes = samples + anchors
+            if anchors:
+                scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
             results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
             losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
+            by_objective = _mean_by_objective(samples, results)
             kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
             tokens += sum(len(s.response_ids) for s in samples)
             yield
@@ -245,20 +238,25 @@ class OnlineTrainer:
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
         yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
         yield
+        seqs = [entry.seq for entry, _ in batch]
         metrics = {
             "loss": losses[-1],
             "first_epoch_loss": losses[0],
-            "samples": len(samples),
+            "losses": by_objective,  # the last epoch's mean loss of each objective's samples
+            "samples": len(feedback),
+            "objectives": {"sft": len(feedback.sft), "kto": len(feedback.kto), "dpo": len(feedback.dpo)},
             "epochs": self.config.epochs,
             "response_tokens": tokens,
-            "seqs": [e.seq for e in batch],
+            "seqs": seqs,
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
         }
         state = self.trainer.optimizer.state_dict()
-        yield from self.checkpoints.save_slices(self.version, self.adapter, state, batch[-1].seq, metrics)
-        self.position = batch[-1].seq
-        self.log.mark_trained([e.seq for e in batch], self.version)  # after the commit: restore() redoes it if lost
+        position = self.log.settled_through(excluding=seqs)
+        yield from self.checkpoints.save_slices(self.version, self.adapter, state, position, metrics)
+        self.position = position
+        self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
+        self.queue.changed()
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
@@ -313,3 +311,11 @@ class OnlineTrainer:
                 self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
             )
             return self.version
+
+
+def _mean_by_objective(samples: list[Sample], results: list[tuple[float, bool]]) -> dict[str, float]:
+    """The mean loss of each objective's samples (a DPO pair's loss is on both of its samples)."""
+    by: dict[str, list[float]] = {}
+    for sample, (loss, _) in zip(samples, results, strict=False):  # results go on with the anchors
+        by.setdefault("sft" if sample.term is None else sample.term.kind, []).append(loss)
+    return {kind: sum(values) / len(values) for kind, values in by.items()}

@@ -230,3 +230,27 @@ def test_feedback_without_the_new_fields_shows_them_empty(server):
 def test_unknown_feedback_is_404(server, key):
     error = assert_openai_error(get_feedback(server, key), 404, "id")
     assert error["code"] == "feedback_not_found"
+
+
+def test_the_list_pages_through_entries_and_shows_the_backlog(server):
+    """This server does not train: everything stays queued, and the backlog counts it by class."""
+    served = [chat(server, [{"role": "user", "content": f"Count to {i}."}], max_tokens=2) for i in range(3)]
+    ids = [post_feedback(server, {"response_id": s.id, "rating": 1}).json()["id"] for s in served]
+    everything = httpx.get(server.base_url + FEEDBACK, params={"limit": 1000}, timeout=30).json()
+    assert everything["object"] == "list" and not everything["has_more"]
+    assert [e["id"] for e in everything["data"]][-3:] == ids
+    assert everything["backlog"]["thumbs_up"]["count"] == sum(
+        e["state"] == "queued" and e["kind"] == "sft" and e["rating"] == 1 for e in everything["data"]
+    )  # fmt: skip
+    assert set(everything["backlog"]) == {"correction", "thumbs_up", "thumbs_down", "preference"}
+    after = int(ids[0].removeprefix("fb-")) - 1
+    page = httpx.get(server.base_url + FEEDBACK, params={"after": f"fb-{after}", "limit": 2, "state": "queued"},
+                     timeout=30).json()  # fmt: skip
+    assert [e["id"] for e in page["data"]] == ids[:2] and page["has_more"]
+    assert httpx.get(server.base_url + FEEDBACK, params={"state": "trained"}, timeout=30).json()["data"] == []
+
+
+@pytest.mark.parametrize("params, param", [({"state": "done"}, "state"), ({"after": "x"}, "after"),
+                                           ({"limit": 0}, "limit"), ({"limit": 1001}, "limit")])  # fmt: skip
+def test_bad_list_queries_are_400(server, params, param):
+    assert_openai_error(httpx.get(server.base_url + FEEDBACK, params=params, timeout=30), 400, param)
