@@ -7,7 +7,8 @@ A decode step runs 30 layers of small ops on B rows: besides the linears and att
 per layer (RMSNorm in fp32 and back, RoPE, SiLU-mul, residual adds), each a kernel launch and a memory pass. Here
 one function holds a layer's decode math with everything passed in as tensors (hidden rows, RoPE cos/sin, slots,
 positions, the layer's weights and cache), so inductor fuses the glue into a few C++ loops between the opaque
-linears (``alchemist::packed_linear`` over oneDNN-packed bf16 weights, or ``F.linear`` in fp32) and our decode
+linears (``alchemist::packed_linear``, ``csrc/packed_linear.cpp``, over oneDNN-packed bf16 weights, or ``F.linear``
+in fp32) and our decode
 kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the cache in place).
 
 Note: [One graph per layer, not per step] Every layer has the same shapes, so the layer function compiles once and
@@ -33,27 +34,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from alchemist.engine.packed_ops import packed_linear
 from alchemist.model import cpu_kernels
 from alchemist.model.attention import KVCache, decode_kernel_applies
 from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.rope import Rotation, apply_rotary
 from alchemist.model.seam import LINEAR_NAMES
-
-
-@torch.library.custom_op("alchemist::packed_linear", mutates_args=())
-def _packed_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """``packed_linear`` as an op the compiler does not look into: inductor lowers oneDNN's packed linear only for
-    weights frozen into the graph, and a served adapter's merged weights change with every version."""
-    return packed_linear(x, weight, bias)
-
-
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
 
 
 class LayerWeights(NamedTuple):
@@ -91,7 +77,8 @@ class LayerShape:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: int, s: LayerShape) -> torch.Tensor:
-    return _packed_linear_op(x, weight, bias, out) if s.packed else F.linear(x, weight, bias)
+    # The packed linear as our opaque op (csrc/packed_linear.cpp): inductor lowers oneDNN's only for frozen weights.
+    return torch.ops.alchemist.packed_linear(x, weight, bias, out) if s.packed else F.linear(x, weight, bias)
 
 
 def decode_layer(
@@ -125,7 +112,7 @@ def compiled_decode_supported(cache: KVCache) -> bool:
     """Where the compiled step can run: a CPU cache in bf16 or fp32 and our decode kernel built."""
     k = cache.k[0]
     cpu = k.device.type == "cpu" and k.dtype in (torch.bfloat16, torch.float32)
-    return cpu and cpu_kernels.decode_attention_op() is not None
+    return cpu and cpu_kernels.decode_attention_op() is not None and cpu_kernels.packed_linear_op() is not None
 
 
 def compiled_decode_applies(cache: KVCache, setting: bool | None) -> bool:
