@@ -10,6 +10,7 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -17,9 +18,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,6 +38,7 @@ from alchemist.server.errors import (
 )
 from alchemist.server.feedback import FeedbackService
 from alchemist.server.metrics import ServerMetrics
+from alchemist.server.openapi import install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.routes import router
 from alchemist.server.service import OpenAIServing
@@ -60,7 +61,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
 }
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException) -> Response:
+    headers = getattr(exc, "headers", None)  # a 405's Allow
     if isinstance(exc, StarletteHTTPException):  # unknown route, wrong method
         status, kind, code, param, message = exc.status_code, "invalid_request_error", None, None, str(exc.detail)
     else:
@@ -68,9 +70,12 @@ def error_response(exc: BaseException) -> JSONResponse:
         message, param = _describe(exc)
         if status >= 500:
             logger.error("internal error", exc_info=exc)
-            message = f"internal error: {type(exc).__name__}: {exc}"
+            # The details (paths, values) stay in the server's log; the client learns only what kind of failure.
+            message = f"internal error ({type(exc).__name__}); the server's log has the details"
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    # ASCII JSON: a message may quote input holding a lone surrogate, which UTF-8 cannot encode.
+    content = json.dumps(body.model_dump(), ensure_ascii=True, separators=(",", ":"))
+    return Response(content, status_code=status, media_type="application/json", headers=headers)
 
 
 def _describe(exc: BaseException) -> tuple[str, str | None]:
@@ -146,9 +151,10 @@ def build_app(
     app.state.serving = serving
     app.state.metrics = metrics
     app.include_router(router)
+    install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
+    async def handle(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
     for exc_class in (RequestValidationError, StarletteHTTPException, *ERROR_MAP):

@@ -17,7 +17,8 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(LookupError):
     def __init__(self, model: str, served: list[str]):
-        super().__init__(f"The model {model!r} does not exist; this server serves {served}")
+        # Only the public name: the other accepted names are paths on the server's disk, nobody else's business.
+        super().__init__(f"The model {model!r} does not exist; this server serves {served[0]!r}")
         self.param = "model"
 
 

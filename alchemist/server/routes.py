@@ -11,11 +11,14 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from alchemist.server.openapi import errors, json_or_stream, text
 from alchemist.server.protocol import (
     AdapterInfo,
     AdapterList,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
@@ -41,22 +44,24 @@ async def models(request: Request) -> ModelList:
     return _serving(request).models()
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=text("Prometheus metrics"))
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions", response_model=None, responses=json_or_stream(ChatCompletionResponse, 400, 404, 413, 429)
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _respond(request, _serving(request).chat(body))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=None, responses=json_or_stream(CompletionResponse, 400, 404, 413, 429))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, _serving(request).completion(body))
 
 
-@router.post("/v1/feedback")
+@router.post("/v1/feedback", responses=errors(400, 404, 413))
 def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body)
@@ -67,7 +72,7 @@ def adapters(request: Request) -> AdapterList:
     return request.app.state.adapters.list()
 
 
-@router.post("/v1/adapters/rollback")
+@router.post("/v1/adapters/rollback", responses=errors(400, 404, 413))
 def rollback(body: RollbackRequest, request: Request) -> AdapterInfo:
     # A plain def: it waits for the training slice in progress and writes a checkpoint, off the event loop.
     return request.app.state.adapters.rollback(body)

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from alchemist.engine import RequestOutput, SamplingParams, TokenLogprobs
+from alchemist.model.tokenizer import check_text
 from alchemist.server import protocol as p
 from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
@@ -156,6 +157,8 @@ class OpenAIServing:
         self._check_model(req.model)
         # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
         prompt = req.prompt
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
         request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
         if req.stream:

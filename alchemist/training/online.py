@@ -286,7 +286,7 @@ class OnlineTrainer:
                 self._load_initial()
             else:
                 self._load(version)
-            self.adapter.version = max(self.version, *(v.version for v in self.checkpoints.versions())) + 1
+            self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
             self.engine.set_adapter(self.adapter, self.version)
             self.checkpoints.save(
                 self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
