@@ -7,6 +7,7 @@ Each subcommand registers its flags in a small function; heavy imports happen in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -76,6 +77,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         data_dir=args.data_dir,
         feedback_db=args.feedback_db,
+        api_key=args.api_key,
+        api_keys_file=args.api_keys_file,
+        allow_unauthenticated=args.allow_unauthenticated,
+        metrics_access=args.metrics_access,
+        docs_access=args.docs_access,
     )
     run_server(_engine_config(args), server_config, _record_config(args), _online_config(args))
     return 0
@@ -196,7 +202,40 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
     p.add_argument("--data-dir", default="alchemist-data", help="durable state: feedback log, adapters")
     p.add_argument("--feedback-db", default=None, help="feedback log SQLite file (default: DATA_DIR/feedback.sqlite)")
+    _add_key_flags(p)
     p.set_defaults(func=_serve)
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the server (alchemist.server.auth)."""
+    p.add_argument(
+        "--api-key", default=os.environ.get("ALCHEMIST_API_KEY"), help="one admin key (default: $ALCHEMIST_API_KEY)"
+    )
+    p.add_argument("--api-keys-file", default=None, help="named user and admin keys, hashed (alchemist keys add)")
+    p.add_argument(
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without any API key"
+    )
+    p.add_argument("--metrics-access", default="admin", choices=["public", "admin"], help="who may read /metrics")
+    p.add_argument("--docs-access", default="admin", choices=["public", "admin"], help="/docs and /openapi.json")
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    from alchemist.server.auth import add_key
+
+    key = add_key(args.file, args.name, args.admin)
+    print(f"{'admin' if args.admin else 'user'} key {args.name!r} added to {args.file} (stored hashed; shown once):")
+    print(key)
+    return 0
+
+
+def _register_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser("keys", help="API keys of `serve --api-keys-file`")
+    ksub = keys.add_subparsers(dest="keys", required=True)
+    p = ksub.add_parser("add", help="make a new key, print it once, store its hash (SIGHUP or wait: serve reloads)")
+    p.add_argument("name")
+    p.add_argument("--admin", action="store_true", help="rollback, adapter management, /metrics and /docs")
+    p.add_argument("--file", default="alchemist-data/api-keys.toml", help="the keys file")
+    p.set_defaults(func=_keys_add)
 
 
 def _bench_forward(args: argparse.Namespace) -> int:
@@ -354,7 +393,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
 
 
 # Subcommands register here; each adds its own parser.
-REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate, _register_serve]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate, _register_serve, _register_keys]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ filled in by ``EngineConfig.resolve`` once the model's config is known.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -94,6 +95,19 @@ class EngineConfig:
         blocks_per_slot = -(-max_model_len // self.block_size)
         num_kv_blocks = self.num_kv_blocks or self.max_num_seqs * blocks_per_slot
         return dataclasses.replace(self, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+
+
+ACCESS_CHOICES = ("public", "admin")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to bind) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 RECORD_POLICIES = ("none", "requested", "sample", "all")
@@ -221,6 +235,13 @@ class ServerConfig:
     completion_ttl_s: float = 24 * 3600.0  # ... and for how long
     data_dir: str = "alchemist-data"  # the server's durable state (feedback log, adapters); created at start-up
     feedback_db: str | None = None  # the feedback log's SQLite file; None: <data_dir>/feedback.sqlite
+    # API keys (alchemist.server.auth): one admin key, and/or a file of named, hashed user and admin keys. Without
+    # either the server is open to whoever reaches it, so it binds a loopback address only, unless told otherwise.
+    api_key: str | None = None
+    api_keys_file: str | None = None
+    allow_unauthenticated: bool = False  # bind a non-loopback address without keys
+    metrics_access: str = "admin"  # /metrics: "public", or an admin key (when keys are configured)
+    docs_access: str = "admin"  # /docs and /openapi.json: the same choice
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -237,6 +258,21 @@ class ServerConfig:
             self.feedback_db = str(self.feedback_db)
             if not self.feedback_db.strip():
                 raise ValueError("feedback_db must not be empty (None: <data_dir>/feedback.sqlite)")
+
+        for name in ("metrics_access", "docs_access"):
+            if getattr(self, name) not in ACCESS_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(ACCESS_CHOICES)} (got {getattr(self, name)!r})")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if not self.has_keys and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve {self.host} without API keys: anyone who reaches it could train and roll back "
+                "the model. Give --api-key or --api-keys-file, or --allow-unauthenticated if that is what you want"
+            )
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key) or self.api_keys_file is not None
 
     @property
     def feedback_db_path(self) -> str:

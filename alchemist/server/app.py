@@ -23,22 +23,26 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.server.adapters import AdapterService
 from alchemist.server.async_engine import AsyncEngine
+from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
     AdapterNotFoundError,
+    AuthenticationError,
     BodyTooLargeError,
     ModelNotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
     ResponseNotFoundError,
 )
 from alchemist.server.feedback import FeedbackService
 from alchemist.server.metrics import ServerMetrics
-from alchemist.server.openapi import install_openapi
+from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.routes import router
 from alchemist.server.service import OpenAIServing
@@ -54,6 +58,9 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     BodyTooLargeError: (413, "invalid_request_error", "request_too_large"),
     ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
+    AuthenticationError: (401, "invalid_request_error", "invalid_api_key"),  # alchemist.server.auth
+    PermissionDeniedError: (403, "invalid_request_error", "permission_denied"),
+    RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),  # a key's limits (alchemist.server.limits)
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
     ValueError: (400, "invalid_request_error", None),
@@ -62,7 +69,7 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
 
 
 def error_response(exc: BaseException) -> Response:
-    headers = getattr(exc, "headers", None)  # a 405's Allow
+    headers = getattr(exc, "headers", None)  # a 405's Allow, a 401's WWW-Authenticate, a 429's Retry-After
     if isinstance(exc, StarletteHTTPException):  # unknown route, wrong method
         status, kind, code, param, message = exc.status_code, "invalid_request_error", None, None, str(exc.detail)
     else:
@@ -147,10 +154,13 @@ def build_app(
         finally:
             async_engine.shutdown()
 
-    app = FastAPI(title="alchemist", lifespan=lifespan)
+    app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, openapi_url=None)  # ours take keys
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.keys = KeyStore()  # none: open (app_for_engine sets the server's)
+    app.state.server_config = ServerConfig()
     app.include_router(router)
+    app.include_router(docs_router)
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 
@@ -207,6 +217,8 @@ def app_for_engine(
     anchors = trainer.anchors if trainer is not None else None
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
+    app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
+    app.state.server_config = server_config
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     app.state.feedback_log = feedback_log
@@ -264,6 +276,8 @@ def run_server(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.state.keys.reload())
+    _say_who_may_connect(server_config)
     async_engine: AsyncEngine = app.state.async_engine
     http = threading.Thread(target=serve_http, name="uvicorn")
     http.start()
@@ -273,3 +287,17 @@ def run_server(
         server.should_exit = True
         http.join()
         app.state.feedback_log.close()  # only now: the step loop (the trainer) may read the log until it ends
+
+
+def _say_who_may_connect(config: ServerConfig) -> None:
+    if config.has_keys:
+        logger.warning("API keys required (Authorization: Bearer ...) on %s:%d", config.host, config.port)
+    elif is_loopback(config.host):
+        logger.warning(
+            "no API keys: serving %s:%d, loopback only (--api-key or --api-keys-file to serve other machines)",
+            config.host,
+            config.port,
+        )
+    else:
+        logger.warning("no API keys on %s:%d (--allow-unauthenticated): anyone who reaches it may train and roll "
+                       "back the model", config.host, config.port)  # fmt: skip

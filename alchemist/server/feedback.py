@@ -19,6 +19,7 @@ from alchemist.model.tokenizer import Tokenizer
 from alchemist.server import protocol as p
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ResponseNotFoundError
+from alchemist.server.ownership import check_owner
 
 
 class FeedbackService:
@@ -28,8 +29,10 @@ class FeedbackService:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def submit(self, req: p.FeedbackRequest) -> p.FeedbackResponse:
-        """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop."""
+    def submit(self, req: p.FeedbackRequest, owner: str | None = None) -> p.FeedbackResponse:
+        """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop.
+        ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys)."""
+        check_owner(self.registry, owner, req.response_id, req.preferred_over)
         existing = self.log.find(idempotency_key(req.response_id, req.rating, req.correction, req.preferred_over))
         if existing is not None:
             return _response(existing, created=False)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel
 
+from alchemist.server.auth import docs_reader
 from alchemist.server.protocol import ErrorResponse
 
 ERROR_DESCRIPTIONS = {
@@ -48,6 +51,21 @@ def json_or_stream(model: type[BaseModel], *statuses: int) -> dict[int | str, di
 def text(description: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """A plain-text route (/metrics)."""
     return {200: {"description": description, "content": {"text/plain": TEXT}}, **errors(*statuses)}
+
+
+# FastAPI's own /docs and /openapi.json are off (FastAPI(docs_url=None, openapi_url=None)): these take a key
+# unless --docs-access public.
+docs_router = APIRouter(include_in_schema=False, dependencies=[Depends(docs_reader)])
+
+
+@docs_router.get("/openapi.json")
+def openapi_json(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+@docs_router.get("/docs")
+def docs() -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="alchemist")
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from alchemist.server.auth import Caller, admin, metrics_reader, user
 from alchemist.server.openapi import errors, json_or_stream, text
 from alchemist.server.protocol import (
     AdapterInfo,
@@ -39,41 +40,44 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> ModelList:
+@router.get("/v1/models", responses=errors(401))
+async def models(request: Request, caller: Caller = Depends(user)) -> ModelList:
     return _serving(request).models()
 
 
-@router.get("/metrics", response_class=Response, responses=text("Prometheus metrics"))
-async def metrics(request: Request) -> Response:
+@router.get("/metrics", response_class=Response, responses=text("Prometheus metrics", 401, 403))
+async def metrics(request: Request, caller: Caller = Depends(metrics_reader)) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+COMPLETION_ERRORS = (400, 401, 404, 413, 429)
+
+
 @router.post(
-    "/v1/chat/completions", response_model=None, responses=json_or_stream(ChatCompletionResponse, 400, 404, 413, 429)
+    "/v1/chat/completions", response_model=None, responses=json_or_stream(ChatCompletionResponse, *COMPLETION_ERRORS)
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _respond(request, _serving(request).chat(body))
+async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(user)) -> Response:
+    return await _respond(request, _serving(request).chat(body, caller.name))
 
 
-@router.post("/v1/completions", response_model=None, responses=json_or_stream(CompletionResponse, 400, 404, 413, 429))
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _respond(request, _serving(request).completion(body))
+@router.post("/v1/completions", response_model=None, responses=json_or_stream(CompletionResponse, *COMPLETION_ERRORS))
+async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(user)) -> Response:
+    return await _respond(request, _serving(request).completion(body, caller.name))
 
 
-@router.post("/v1/feedback", responses=errors(400, 404, 413))
-def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
+@router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 413))
+def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(user)) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
-    return request.app.state.feedback.submit(body)
+    return request.app.state.feedback.submit(body, None if caller.admin else caller.name)
 
 
-@router.get("/v1/adapters")
-def adapters(request: Request) -> AdapterList:
+@router.get("/v1/adapters", responses=errors(401))
+def adapters(request: Request, caller: Caller = Depends(user)) -> AdapterList:
     return request.app.state.adapters.list()
 
 
-@router.post("/v1/adapters/rollback", responses=errors(400, 404, 413))
-def rollback(body: RollbackRequest, request: Request) -> AdapterInfo:
+@router.post("/v1/adapters/rollback", responses=errors(400, 401, 403, 404, 413))
+def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(admin)) -> AdapterInfo:
     # A plain def: it waits for the training slice in progress and writes a checkpoint, off the event loop.
     return request.app.state.adapters.rollback(body)
 

@@ -37,6 +37,8 @@ class Accumulator:
     """What a request has produced so far, across its RequestOutputs."""
 
     prompt_token_ids: list[int]
+    owner: str | None = None  # the API key's name (None: no keys configured)
+    recorded: bool = False  # whether its prompt was asked to be recorded, and granted
     last: RequestOutput | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
 
@@ -111,14 +113,17 @@ class OpenAIServing:
 
     # --- chat -----------------------------------------------------------------------------------------------
 
-    async def chat(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | EventStream:
+    async def chat(
+        self, req: p.ChatCompletionRequest, owner: str | None = None
+    ) -> p.ChatCompletionResponse | EventStream:
+        """``owner``: the API key's name the response belongs to (only its key may give feedback on it)."""
         self._check_model(req.model)
         prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages")
+        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages", owner)
         if req.stream:
             return EventStream(self._chat_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
-        self._register(request_id, acc, req)
+        self._register(request_id, acc)
         choice = p.ChatCompletionChoice(
             message=p.ChatCompletionMessage(content=acc.text),
             logprobs=self._chat_logprobs(acc.logprobs, req.top_logprobs) if req.logprobs else None,
@@ -141,7 +146,7 @@ class OpenAIServing:
                 if out.new_text or logprobs:
                     delta = p.ChatDelta(content=out.new_text)
                     yield sse(chunk([p.ChatCompletionStreamChoice(delta=delta, logprobs=logprobs)]))
-            self._register(request_id, acc, req)
+            self._register(request_id, acc)
             yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(), finish_reason=acc.finish_reason)]))
             if req.include_usage:
                 yield sse(chunk([], acc.usage()))
@@ -153,18 +158,20 @@ class OpenAIServing:
 
     # --- text completions -----------------------------------------------------------------------------------
 
-    async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | EventStream:
+    async def completion(
+        self, req: p.CompletionRequest, owner: str | None = None
+    ) -> p.CompletionResponse | EventStream:
         self._check_model(req.model)
         # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
         prompt = req.prompt
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
+        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt", owner)
         if req.stream:
             return EventStream(self._completion_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
-        self._register(request_id, acc, req)
+        self._register(request_id, acc)
         logprobs = self._completion_logprobs(acc.logprobs, 0) if req.logprobs is not None else None
         choice = p.CompletionChoice(text=acc.text, logprobs=logprobs, finish_reason=acc.finish_reason)
         return p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=acc.usage())
@@ -184,7 +191,7 @@ class OpenAIServing:
                 if out.new_text or out.finished or logprobs:
                     reason = acc.finish_reason if out.finished else None
                     yield sse(chunk([p.CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=reason)]))
-            self._register(request_id, acc, req)
+            self._register(request_id, acc)
             if req.include_usage:
                 yield sse(chunk([], acc.usage()))
         except EngineDeadError as e:
@@ -200,7 +207,12 @@ class OpenAIServing:
             raise ModelNotFoundError(model, self.served_model_names)
 
     def _submit(
-        self, prefix: str, req: p.ChatCompletionRequest | p.CompletionRequest, prompt_ids: list[int], prompt_param: str
+        self,
+        prefix: str,
+        req: p.ChatCompletionRequest | p.CompletionRequest,
+        prompt_ids: list[int],
+        prompt_param: str,
+        owner: str | None,
     ) -> tuple[str, RequestStream, Accumulator]:
         self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
@@ -222,7 +234,7 @@ class OpenAIServing:
         )
         request_id = p.random_id(prefix)
         stream = self.engine.generate(request_id, prompt_ids, params)
-        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids)
+        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=owner, recorded=params.record)
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -249,7 +261,7 @@ class OpenAIServing:
         finally:
             await stream.aclose()
 
-    def _register(self, request_id: str, acc: Accumulator, req: p.SamplingRequest) -> None:
+    def _register(self, request_id: str, acc: Accumulator) -> None:
         self.registry.add(
             CompletionRecord(
                 id=request_id,
@@ -260,7 +272,8 @@ class OpenAIServing:
                 adapter_version=acc.adapter_version,
                 finish_reason=acc.finish_reason,
                 created_s=time.time(),
-                recorded=req.alchemist.record,
+                recorded=acc.recorded,
+                owner=acc.owner,
             )
         )
         if self.anchors is not None and acc.finish_reason in ("stop", "length"):

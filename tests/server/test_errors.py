@@ -114,8 +114,11 @@ LONE_SURROGATE = '"a\\ud800b"'  # JSON for a string no UTF-8 can encode
     "path, body, status",
     [
         ("/v1/chat/completions", '{"model": "smollm2", "messages": [{"role": "user", "content": %s}]}', 400),
-        ("/v1/chat/completions", '{"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", '
-         '"text": %s}]}]}', 400),  # fmt: skip
+        (
+            "/v1/chat/completions",
+            '{"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+            400,
+        ),  # fmt: skip
         ("/v1/completions", '{"model": "smollm2", "prompt": %s}', 400),
         ("/v1/completions", '{"model": "smollm2", "prompt": [%s]}', 400),
         ("/v1/feedback", '{"response_id": "chatcmpl-x", "correction": %s}', 400),

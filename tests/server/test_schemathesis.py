@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from tests.server.conftest import MODEL_NAME, launch_server, wait_ready
+from tests.server.conftest import MODEL_NAME, launch_server, wait_ready, write_keys
 
 MAX_EXAMPLES = 25
 FLAGS = ["--max-num-seqs", "2", "--max-model-len", "80", "--max-body-bytes", "16384", "--train-max-wait-s", "1"]
@@ -30,7 +30,9 @@ def config(mode: str) -> schemathesis.Config:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("schemathesis")
-    server = launch_server("schemathesis", root, root / "data", FLAGS)
+    keys = write_keys(root / "keys.toml")
+    server = launch_server("schemathesis", root, root / "data", [*FLAGS, "--api-keys-file", str(root / "keys.toml")])
+    server.api_key = keys["ops"]  # an admin key: every route is open to it
     try:
         wait_ready(server)
         yield server
@@ -41,24 +43,30 @@ def live(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def valid_requests(live):
-    return schemathesis.openapi.from_url(live.base_url + "/openapi.json", config=config("positive"))
+    return schemathesis.openapi.from_url(
+        live.base_url + "/openapi.json", config=config("positive"), headers=live.headers
+    )
 
 
 @pytest.fixture(scope="module")
 def invalid_requests(live):
-    return schemathesis.openapi.from_url(live.base_url + "/openapi.json", config=config("negative"))
+    return schemathesis.openapi.from_url(
+        live.base_url + "/openapi.json", config=config("negative"), headers=live.headers
+    )
 
 
 def test_rollback_to_the_base_model_before_any_checkpoint(live):
     """Runs first: the fresh server has no adapter version yet. Rolling back to 0 publishes version 1."""
-    response = httpx.post(live.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=30)
+    response = httpx.post(
+        live.base_url + "/v1/adapters/rollback", json={"version": 0}, headers=live.headers, timeout=30
+    )
     assert response.status_code == 200, response.text
     assert response.json()["version"] == 1 and response.json()["metrics"] == {"rollback_of": 0}
-    assert httpx.get(live.base_url + "/v1/adapters", timeout=30).json()["serving_version"] == 1
+    assert httpx.get(live.base_url + "/v1/adapters", headers=live.headers, timeout=30).json()["serving_version"] == 1
 
 
 def test_the_schema_documents_errors_not_422_and_metrics_as_text(live):
-    spec = httpx.get(live.base_url + "/openapi.json", timeout=30).json()
+    spec = httpx.get(live.base_url + "/openapi.json", headers=live.headers, timeout=30).json()
     envelope = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
@@ -108,6 +116,6 @@ def check_case(case, live) -> None:
     # Random model names all get a 404; every other body names the served model, so that answers get generated.
     if isinstance(case.body, dict) and "model" in case.body and next(CALLS) % 2:
         case.body["model"] = MODEL_NAME
-    response = case.call(base_url=live.base_url, timeout=60)
+    response = case.call(base_url=live.base_url, headers=live.headers, timeout=60)
     assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text}"
     case.validate_response(response, checks=CHECKS)
