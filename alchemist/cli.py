@@ -82,6 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
         allow_unauthenticated=args.allow_unauthenticated,
         metrics_access=args.metrics_access,
         docs_access=args.docs_access,
+        requests_per_minute=args.rate_limit_requests,
+        feedback_per_minute=args.rate_limit_feedback,
+        max_streams_per_key=args.max_streams_per_key,
+        record_mb_per_hour=args.record_quota_mb_per_hour,
     )
     run_server(_engine_config(args), server_config, _record_config(args), _online_config(args))
     return 0
@@ -217,6 +221,13 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-access", default="admin", choices=["public", "admin"], help="who may read /metrics")
     p.add_argument("--docs-access", default="admin", choices=["public", "admin"], help="/docs and /openapi.json")
+    d = ServerConfig()
+    p.add_argument("--rate-limit-requests", type=float, default=d.requests_per_minute, help="per key a minute; 0: off")
+    p.add_argument("--rate-limit-feedback", type=float, default=d.feedback_per_minute, help="per key a minute; 0: off")
+    p.add_argument("--max-streams-per-key", type=int, default=d.max_streams_per_key, help="open streams; 0: off")
+    p.add_argument(
+        "--record-quota-mb-per-hour", type=float, default=d.record_mb_per_hour, help="records a key may ask for"
+    )
 
 
 def _keys_add(args: argparse.Namespace) -> int:

@@ -242,6 +242,12 @@ class ServerConfig:
     allow_unauthenticated: bool = False  # bind a non-loopback address without keys
     metrics_access: str = "admin"  # /metrics: "public", or an admin key (when keys are configured)
     docs_access: str = "admin"  # /docs and /openapi.json: the same choice
+    # Limits of every key (a key's entry in the keys file may set its own; alchemist.server.limits); 0: no limit.
+    # Callers without a key (no keys configured: loopback only) are not limited.
+    requests_per_minute: float = 0.0  # completion requests
+    feedback_per_minute: float = 0.0
+    max_streams_per_key: int = 0  # streaming completions open at once
+    record_mb_per_hour: float = 2048.0  # prompt records a key's {"alchemist": {"record": true}} may ask for
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -259,6 +265,9 @@ class ServerConfig:
             if not self.feedback_db.strip():
                 raise ValueError("feedback_db must not be empty (None: <data_dir>/feedback.sqlite)")
 
+        for name in ("requests_per_minute", "feedback_per_minute", "max_streams_per_key", "record_mb_per_hour"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit; got {getattr(self, name)!r})")
         for name in ("metrics_access", "docs_access"):
             if getattr(self, name) not in ACCESS_CHOICES:
                 raise ValueError(f"{name} must be one of {', '.join(ACCESS_CHOICES)} (got {getattr(self, name)!r})")

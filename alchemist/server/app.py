@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from alchemist.activations.record import record_bytes_per_token
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
@@ -41,6 +42,7 @@ from alchemist.server.errors import (
     ResponseNotFoundError,
 )
 from alchemist.server.feedback import FeedbackService
+from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
@@ -158,6 +160,7 @@ def build_app(
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.keys = KeyStore()  # none: open (app_for_engine sets the server's)
+    app.state.limits = serving.limits
     app.state.server_config = ServerConfig()
     app.include_router(router)
     app.include_router(docs_router)
@@ -218,6 +221,7 @@ def app_for_engine(
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
     app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
+    serving.limits = app.state.limits = _key_limits(server_config, engine)
     app.state.server_config = server_config
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
@@ -226,6 +230,18 @@ def app_for_engine(
     app.state.trainer = trainer
     app.state.adapters = AdapterService(engine, trainer, checkpoints)
     return app
+
+
+def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:
+    defaults = LimitConfig(
+        requests_per_minute=config.requests_per_minute,
+        feedback_per_minute=config.feedback_per_minute,
+        max_streams=config.max_streams_per_key,
+        record_mb_per_hour=config.record_mb_per_hour,
+    )
+    recorder = engine.recorder  # a record's size: its prompt's tokens x this (None: nothing is ever recorded)
+    per_token = record_bytes_per_token(engine.model.config, recorder.dtype) if recorder is not None else 0
+    return KeyLimits(defaults, per_token)
 
 
 def create_app(

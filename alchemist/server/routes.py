@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from alchemist.server.auth import Caller, admin, metrics_reader, user
+from alchemist.server.limits import feedback_giver, requester
 from alchemist.server.openapi import errors, json_or_stream, text
 from alchemist.server.protocol import (
     AdapterInfo,
@@ -56,17 +57,19 @@ COMPLETION_ERRORS = (400, 401, 404, 413, 429)
 @router.post(
     "/v1/chat/completions", response_model=None, responses=json_or_stream(ChatCompletionResponse, *COMPLETION_ERRORS)
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(user)) -> Response:
-    return await _respond(request, _serving(request).chat(body, caller.name))
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, caller: Caller = Depends(requester)
+) -> Response:
+    return await _respond(request, caller, body.stream, lambda: _serving(request).chat(body, caller))
 
 
 @router.post("/v1/completions", response_model=None, responses=json_or_stream(CompletionResponse, *COMPLETION_ERRORS))
-async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(user)) -> Response:
-    return await _respond(request, _serving(request).completion(body, caller.name))
+async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(requester)) -> Response:
+    return await _respond(request, caller, body.stream, lambda: _serving(request).completion(body, caller))
 
 
-@router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 413))
-def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(user)) -> FeedbackResponse:
+@router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 413, 429))
+def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(feedback_giver)) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body, None if caller.admin else caller.name)
 
@@ -82,32 +85,49 @@ def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(a
     return request.app.state.adapters.rollback(body)
 
 
-async def _respond(request: Request, result: Awaitable[Any]) -> Response:
-    """A JSON body, or an SSE stream. A stream is aborted by Starlette's own disconnect watch (it cancels the
-    iterator); a non-streaming request is watched here, so that a client that gives up frees its slot too."""
-    task = asyncio.ensure_future(result)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task not in done:
-        task.cancel()  # CancelledError inside the service closes the request's stream, which aborts it
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    watcher.cancel()
-    out = task.result()
+async def _respond(request: Request, caller: Caller, stream: bool, serve: Callable[[], Awaitable[Any]]) -> Response:
+    """A JSON body, or an SSE stream (one of the key's max_streams until it ends). A stream is aborted by
+    Starlette's own disconnect watch (it cancels the iterator); a non-streaming request is watched here, so that a
+    client that gives up frees its slot too."""
+    close_stream = request.app.state.limits.open_stream(caller) if stream else None
+    try:
+        task = asyncio.ensure_future(serve())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()  # CancelledError inside the service closes the request's stream, which aborts it
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        watcher.cancel()
+        out = task.result()
+    except BaseException:
+        if close_stream is not None:
+            close_stream()
+        raise
     if isinstance(out, EventStream):
-        return SSEResponse(out, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        headers = {"Cache-Control": "no-cache"}
+        return SSEResponse(out, close_stream, media_type="text/event-stream", headers=headers)
+    if close_stream is not None:
+        close_stream()
     return Response(out.model_dump_json(), media_type="application/json")
 
 
 class SSEResponse(StreamingResponse):
-    """Closes its EventStream however the response ends (done, client gone, server shutting down)."""
+    """Closes its EventStream however the response ends (done, client gone, server shutting down), and with it
+    the key's count of open streams."""
 
     body_iterator: EventStream
+
+    def __init__(self, events: EventStream, on_close: Callable[[], None] | None, **kwargs: Any):
+        super().__init__(events, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def _disconnected(request: Request) -> None:

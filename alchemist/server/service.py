@@ -20,8 +20,10 @@ from alchemist.engine import RequestOutput, SamplingParams, TokenLogprobs
 from alchemist.model.tokenizer import check_text
 from alchemist.server import protocol as p
 from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from alchemist.server.auth import ANONYMOUS, Caller
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ModelNotFoundError
+from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.training.anchors import Anchor, AnchorPool
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -102,6 +104,7 @@ class OpenAIServing:
         self.registry = registry
         self.anchors = anchors  # the online trainer's: finished completions to stay close on
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.limits = KeyLimits(LimitConfig(), 0)  # the app sets the server's (alchemist.server.limits)
 
     @property
     def model_name(self) -> str:
@@ -114,12 +117,13 @@ class OpenAIServing:
     # --- chat -----------------------------------------------------------------------------------------------
 
     async def chat(
-        self, req: p.ChatCompletionRequest, owner: str | None = None
+        self, req: p.ChatCompletionRequest, caller: Caller = ANONYMOUS
     ) -> p.ChatCompletionResponse | EventStream:
-        """``owner``: the API key's name the response belongs to (only its key may give feedback on it)."""
+        """``caller``: the API key the response belongs to (only it may give feedback on it; its quota grants a
+        request to be recorded)."""
         self._check_model(req.model)
         prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages", owner)
+        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages", caller)
         if req.stream:
             return EventStream(self._chat_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
@@ -159,7 +163,7 @@ class OpenAIServing:
     # --- text completions -----------------------------------------------------------------------------------
 
     async def completion(
-        self, req: p.CompletionRequest, owner: str | None = None
+        self, req: p.CompletionRequest, caller: Caller = ANONYMOUS
     ) -> p.CompletionResponse | EventStream:
         self._check_model(req.model)
         # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
@@ -167,7 +171,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt", owner)
+        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt", caller)
         if req.stream:
             return EventStream(self._completion_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
@@ -212,7 +216,7 @@ class OpenAIServing:
         req: p.ChatCompletionRequest | p.CompletionRequest,
         prompt_ids: list[int],
         prompt_param: str,
-        owner: str | None,
+        caller: Caller,
     ) -> tuple[str, RequestStream, Accumulator]:
         self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
@@ -230,11 +234,12 @@ class OpenAIServing:
             stop=list(req.stop or []),
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
-            record=req.alchemist.record,
+            # A client's flag asks; its key's record quota grants (else it is served unrecorded: no error).
+            record=req.alchemist.record and self.limits.grant_record(caller, len(prompt_ids)),
         )
         request_id = p.random_id(prefix)
         stream = self.engine.generate(request_id, prompt_ids, params)
-        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=owner, recorded=params.record)
+        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=caller.name, recorded=params.record)
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
         vocab = self.tokenizer.vocab_size

@@ -22,12 +22,22 @@ from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait
 HELLO = [{"role": "user", "content": "Hello!"}]
 ADMIN_KEY = "sk-the-single-admin-key"
 FLAGS = ["--max-num-seqs", "4", "--max-model-len", "128", "--train-max-wait-s", "600"]
+LIMITED = {
+    "hasty": {"requests_per_minute": 2, "feedback_per_minute": 1},
+    "streamer": {"max_streams": 1},
+    "frugal": {"record_mb_per_hour": 1},  # SmolLM2's records take ~0.35 MB a prompt token: not one prompt fits
+}
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("auth")
     keys = write_keys(root / "keys.toml")
+    for name, limits in LIMITED.items():  # keys with limits of their own, as an operator writes them
+        keys[name] = f"sk-{name}-key"
+        fields = "".join(f"{field} = {value}\n" for field, value in limits.items())
+        with open(root / "keys.toml", "a") as f:
+            f.write(f'\n[[keys]]\nname = "{name}"\nsha256 = "{hash_key(keys[name])}"\n{fields}')
     flags = [*FLAGS, "--api-keys-file", str(root / "keys.toml"), "--api-key", ADMIN_KEY]
     server = launch_server("auth", root, root / "data", flags)
     server.keys_file = root / "keys.toml"
@@ -133,3 +143,59 @@ def test_without_keys_a_non_loopback_address_is_refused(tmp_path: Path):
 
 def test_without_keys_the_server_says_it_is_loopback_only(server):
     assert "loopback only" in server.log_path.read_text()
+
+
+def assert_rate_limited(response: httpx.Response) -> None:
+    assert_error(response, 429, "rate_limit_exceeded")
+    assert response.json()["error"]["type"] == "rate_limit_error"
+    assert int(response.headers["retry-after"]) >= 1
+
+
+def test_request_and_feedback_rates_give_429_with_retry_after(keyed):
+    server, keys = keyed
+    client = server.client(api_key=keys["hasty"])
+    ids = [client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).id for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+    assert info.value.body["type"] == "rate_limit_error" and int(info.value.response.headers["retry-after"]) >= 1
+    assert post(server, "/v1/feedback", keys["hasty"], {"response_id": ids[0], "rating": 1}).status_code == 200
+    assert_rate_limited(post(server, "/v1/feedback", keys["hasty"], {"response_id": ids[1], "rating": 1}))
+    assert ask(server, keys["alice"])  # other keys are not held up
+
+
+def test_concurrent_streams_per_key_give_429(keyed):
+    server, keys = keyed
+    client = server.client(api_key=keys["streamer"])
+    long = dict(model=MODEL_NAME, messages=HELLO, max_tokens=90, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(stream=True, **long)
+    next(iter(first))
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(stream=True, **long)
+    assert client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=2).id  # not a stream
+    first.close()
+    deadline = time.monotonic() + 10
+    while True:  # the first stream's slot is free once the server sees the disconnect
+        try:
+            second = client.chat.completions.create(stream=True, **{**long, "max_tokens": 2})
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert [chunk for chunk in second]
+
+
+def test_a_record_request_beyond_the_keys_quota_is_served_unrecorded(keyed):
+    server, keys = keyed
+    server.api_key = keys["ops"]  # metrics() reads /metrics with it
+
+    def recorded_after(key: str) -> float:
+        response = server.client(api_key=key).chat.completions.create(
+            model=MODEL_NAME, messages=HELLO, max_tokens=2, extra_body={"alchemist": {"record": True}}
+        )
+        assert response.choices[0].message.content is not None  # served either way
+        time.sleep(0.5)
+        return next(v for k, v in server.metrics().items() if "recorded_prompts" in k)
+
+    before = recorded_after(keys["frugal"])
+    assert recorded_after(keys["frugal"]) == before, "frugal's quota holds no prompt"
+    assert recorded_after(keys["alice"]) == before + 1, "alice's (the default quota) does"
