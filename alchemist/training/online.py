@@ -26,7 +26,7 @@ requests are in flight (the step loop's accounting); with none in flight, traini
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
 meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
-(feedback trained since is not trained again).
+(feedback trained since is not trained again). It waits for the batch in training to be checkpointed first.
 """
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ class OnlineTrainer:
         self._batch: list[FeedbackEntry] = []  # sft entries waiting for a step
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
-        self._lock = threading.Lock()  # a slice and a rollback never interleave
+        # A slice, a look for new work and a rollback never interleave (reentrant: run_slice looks for work too).
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified when a batch's job ends (rollbacks wait for it)
+        self._rollbacks_waiting = 0  # while > 0, no new batch starts: a rollback goes at the next batch boundary
         self.restore()
 
     # --- state ---------------------------------------------------------------------------------------------------
@@ -136,20 +139,21 @@ class OnlineTrainer:
     def has_work(self) -> bool:
         if not self.config.enabled:
             return False
-        if self._job is not None:
-            return True
-        self._read_new()
-        if not self._batch:
-            return False
-        waited_s = time.time() - self._batch[0].created_s
-        return len(self._batch) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+        with self._lock:
+            if self._job is not None:
+                return True
+            self._read_new()
+            if not self._batch:
+                return False
+            waited_s = time.time() - self._batch[0].created_s
+            return len(self._batch) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
         """One slice of training work; returns the seconds it took."""
         t0 = time.perf_counter()
         with self._lock:
             if self._job is None:
-                if not self.has_work():
+                if self._rollbacks_waiting or not self.has_work():
                     return 0.0
                 batch, self._batch = self._batch[: self.config.batch_size], self._batch[self.config.batch_size :]
                 self._job = self._train(batch)
@@ -161,6 +165,8 @@ class OnlineTrainer:
                 # Nothing acknowledged is lost: the position did not move, the entries are read again later.
                 logger.exception("online training failed; its batch will be read again")
                 self._abandon()
+            if self._job is None:
+                self._idle.notify_all()
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed
@@ -277,11 +283,24 @@ class OnlineTrainer:
     # --- rollback (any thread) -----------------------------------------------------------------------------------
 
     def rollback(self, version: int) -> int:
-        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number."""
-        with self._lock:
-            if version != 0 and version not in {v.version for v in self.checkpoints.versions()}:
+        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number.
+
+        A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
+        its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
+        work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
+        kept = lambda: version == 0 or version in {v.version for v in self.checkpoints.versions()}
+        with self._idle:
+            if not kept():
                 raise KeyError(version)
-            self._abandon()
+            self._rollbacks_waiting += 1
+            try:
+                self._idle.wait_for(lambda: self._job is None)  # the step loop runs the batch's slices meanwhile
+            finally:
+                self._rollbacks_waiting -= 1
+            if not kept():  # the batch's checkpoint pushed it out (keep_versions)
+                raise KeyError(version)
+            self._batch.clear()  # entries read ahead, not trained: read again from the position, after the swap
+            self._read_position = self.position
             if version == 0:
                 self._load_initial()
             else:
