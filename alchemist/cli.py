@@ -129,6 +129,15 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--train-anchor-max-tokens", type=int, default=d.anchor_max_tokens, help="response tokens of an anchor"
     )
+    p.add_argument(
+        "--train-loss-spike-factor",
+        type=float,
+        default=d.loss_spike_factor,
+        help="quarantine a sample whose loss exceeds this x the running level (0: NaN/inf only)",
+    )
+    p.add_argument(
+        "--train-loss-spike-warmup", type=int, default=d.loss_spike_warmup, help="losses seen before spikes count"
+    )
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
     p.add_argument(
@@ -168,6 +177,8 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,
+        loss_spike_factor=args.train_loss_spike_factor,
+        loss_spike_warmup=args.train_loss_spike_warmup,
     )
 
 

@@ -195,6 +195,13 @@ class OnlineConfig:
     anchor_top_k: int = 32
     anchor_max_tokens: int = 64  # an anchor is its response's first tokens (a sample of the KL's positions)
     anchor_pool_size: int = 256  # served completions kept as candidate anchors
+    # Poisoning guard (alchemist.training.quarantine): a sample whose loss is NaN/inf, or above this factor x the
+    # running level of accepted losses (after loss_spike_warmup of them), is held in quarantine, not trained.
+    # 0: finiteness only.
+    # 4: a correction of random characters had about 4x the loss of sensible ones on SmolLM2 (tests/server/
+    # test_poisoning.py, where the factor is 3).
+    loss_spike_factor: float = 4.0
+    loss_spike_warmup: int = 8
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
@@ -205,6 +212,8 @@ class OnlineConfig:
             or self.group_max_tokens < 0
         ):
             raise ValueError(f"group_max_tokens must be an integer >= 0 (got {self.group_max_tokens!r})")
+        if not self.loss_spike_factor >= 0:
+            raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
         if not self.max_wait_s >= 0:

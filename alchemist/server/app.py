@@ -46,6 +46,7 @@ from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
+from alchemist.server.quarantine import router as quarantine_router
 from alchemist.server.routes import router
 from alchemist.server.service import OpenAIServing
 from alchemist.training.checkpoint import AdapterCheckpoints
@@ -164,6 +165,7 @@ def build_app(
     app.state.server_config = ServerConfig()
     app.include_router(router)
     app.include_router(docs_router)
+    app.include_router(quarantine_router)
     install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 

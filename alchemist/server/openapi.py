@@ -30,6 +30,15 @@ ERROR_DESCRIPTIONS = {
 }
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
 TEXT = {"schema": {"type": "string"}}
+# One server-sent event (before OpenAPI 3.2 a text/event-stream schema describes each event): its data is a JSON
+# chunk of the completion, or [DONE] at the end.
+SSE_EVENT = {
+    "schema": {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    }
+}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -44,7 +53,11 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def json_or_stream(model: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
     """A completion route: ``model`` as JSON, or server-sent events with ``"stream": true``; then its errors."""
-    ok = {"model": model, "description": "The completion, or its SSE stream", "content": {"text/event-stream": TEXT}}
+    ok = {
+        "model": model,
+        "description": "The completion, or its SSE stream",
+        "content": {"text/event-stream": SSE_EVENT},
+    }
     return {200: ok, **errors(*statuses)}
 
 

@@ -43,6 +43,7 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.quarantine import LossGuard, Quarantine
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class OnlineStats:
     anchor_tokens: int = 0
     anchor_replayed: int = 0
     last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
+    quarantined: int = 0  # samples held by the poisoning guard (alchemist.training.quarantine)
 
 
 class OnlineTrainer:
@@ -95,6 +97,8 @@ class OnlineTrainer:
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.stats = OnlineStats()
+        self.guard = LossGuard(config.loss_spike_factor, config.loss_spike_warmup)
+        self.quarantine = Quarantine(checkpoints.directory.parent / "quarantine.json")
         self.position = 0  # seq of the last log entry whose training is checkpointed
         self._read_position = 0  # seq of the last entry taken into a batch (>= position)
         self._batch: list[FeedbackEntry] = []  # sft entries waiting for a step
@@ -142,6 +146,7 @@ class OnlineTrainer:
         with self._lock:
             if self._job is not None:
                 return True
+            self._take_released()
             self._read_new()
             if not self._batch:
                 return False
@@ -177,12 +182,23 @@ class OnlineTrainer:
             self._read_position = entry.seq
             self.anchors.exclude(entry.response_id, entry.prompt_token_ids)
             kind = entry.kind
-            if kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
+            if self.quarantine.is_held(entry.seq):
+                kind = "quarantined"
+            elif kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
                 kind = "invalid"  # nothing to learn (an empty served output): never a poison pill for the loop
             if kind == "sft":
                 self._batch.append(entry)
             else:
                 self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
+
+    def _take_released(self) -> None:
+        """Entries an admin released from quarantine go first into the next batch (they are behind the position)."""
+        waiting = {e.seq for e in self._batch}
+        for seq in self.quarantine.released():
+            if seq not in waiting:
+                entry = next(iter(self.log.read(after_seq=seq - 1, limit=1)), None)
+                if entry is not None and entry.seq == seq:
+                    self._batch.insert(0, entry)
 
     def _abandon(self) -> None:
         """Drop the batch in progress: back to the latest checkpoint's adapter and optimizer state (epochs already
@@ -216,8 +232,10 @@ class OnlineTrainer:
         passes = samples + anchors
         scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
                   for s in passes]  # fmt: skip
-        for _ in range(self.config.epochs):
+        for epoch in range(self.config.epochs):
             results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
+            if epoch == 0 and self._hold_suspects(batch, [loss for loss, _ in results[: len(samples)]]):
+                return  # no update: the batch is trained again without them
             losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
             kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
             tokens += sum(len(s.response_ids) for s in samples)
@@ -244,6 +262,25 @@ class OnlineTrainer:
         state = self.trainer.optimizer.state_dict()
         yield from self.checkpoints.save_slices(self.version, self.adapter, state, batch[-1].seq, metrics)
         self.position = batch[-1].seq
+        self.quarantine.trained([e.seq for e in batch])
+
+    def _hold_suspects(self, batch: list[FeedbackEntry], losses: list[float]) -> bool:
+        """Quarantines the batch's samples whose loss the guard flags (released ones are exempt), drops the
+        gradients, and puts the others back to wait for the next batch; False if none is flagged."""
+        released = set(self.quarantine.released())
+        checked = [(e, loss) for e, loss in zip(batch, losses, strict=True) if e.seq not in released]
+        reasons = self.guard.check([loss for _, loss in checked])
+        suspects = [(e, loss, reason) for (e, loss), reason in zip(checked, reasons, strict=True) if reason]
+        if not suspects:
+            return False
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        for entry, loss, reason in suspects:
+            logger.warning("feedback %d (response %s) quarantined: %s", entry.seq, entry.response_id, reason)
+            self.quarantine.hold(entry, reason, loss)
+            self.stats.quarantined += 1
+        held = {e.seq for e, _, _ in suspects}
+        self._batch[:0] = [e for e in batch if e.seq not in held]
+        return True
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them

@@ -1,0 +1,36 @@
+"""The poisoning guard's parts: which losses it flags, and the quarantine file across restarts."""
+
+from __future__ import annotations
+
+import math
+
+from alchemist.feedback.log import FeedbackLog
+from alchemist.training.quarantine import LossGuard, Quarantine
+
+
+def test_the_guard_flags_nan_inf_and_spikes_after_warmup():
+    guard = LossGuard(spike_factor=5.0, warmup=3)
+    assert guard.check([50.0, 2.0]) == [None, None]  # warming up: no level to compare with yet
+    reasons = guard.check([float("nan"), math.inf, 2.0])
+    assert reasons[0] == "loss is nan" and reasons[1] == "loss is inf" and reasons[2] is None
+    level = guard.level
+    reasons = guard.check([5 * level + 0.1, 2.0])
+    assert reasons[0].startswith("loss") and "running level" in reasons[0] and reasons[1] is None
+    assert LossGuard(spike_factor=0.0, warmup=0).check([1e9, math.nan])[0] is None  # 0: finiteness only
+
+
+def test_held_entries_stay_held_across_restarts_until_released_and_trained(tmp_path):
+    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    entry, _ = log.append(
+        response_id="r", kind="sft", rating=None, correction="x", preferred_over=None, prompt_token_ids=[1],
+        response_token_ids=[2], output_token_ids=[3], rejected_token_ids=None, adapter_version=0, recorded=False,
+    )  # fmt: skip
+    quarantine = Quarantine(tmp_path / "quarantine.json")
+    quarantine.hold(entry, "loss is nan", math.nan)
+    again = Quarantine(tmp_path / "quarantine.json")  # a restart
+    assert again.is_held(entry.seq) and again.list()[0]["reason"] == "loss is nan"
+    assert again.release([entry.seq, 999]) == [entry.seq]
+    assert not Quarantine(tmp_path / "quarantine.json").is_held(entry.seq)
+    assert Quarantine(tmp_path / "quarantine.json").released() == [entry.seq]
+    again.trained([entry.seq])
+    assert Quarantine(tmp_path / "quarantine.json").list() == []
