@@ -13,7 +13,7 @@ import pytest
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
 FLAGS = [
-    *("--max-num-seqs", "4", "--max-model-len", "256", "--train-batch-size", "4", "--train-max-wait-s", "2"),
+    *("--max-num-seqs", "4", "--max-model-len", "256", "--train-batch-size", "4", "--train-max-wait-s", "5"),
     *("--train-loss-spike-factor", "3", "--train-loss-spike-warmup", "4", "--train-anchor-weight", "0"),
 ]
 SENSIBLE = [
@@ -41,15 +41,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         server.process.wait(timeout=30)
 
 
-def correct(server: ServerProcess, key: str, question: str, correction: str) -> int:
-    client = server.client(api_key=key)
-    reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": question}],
-                                           max_tokens=8, temperature=0.0)  # fmt: skip
-    headers = {"Authorization": f"Bearer {key}"}
-    body = {"response_id": reply.id, "correction": correction}
-    response = httpx.post(server.base_url + "/v1/feedback", json=body, headers=headers, timeout=60)
-    assert response.status_code == 200, response.text
-    return int(response.json()["id"].removeprefix("fb-"))
+def correct(server: ServerProcess, corrections: list[tuple[str, str, str]]) -> list[int]:
+    """Asks each (key, question, correction)'s question, then sends the corrections in a row (one batch)."""
+    replies = []
+    for key, question, _ in corrections:
+        reply = server.client(api_key=key).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0.0
+        )
+        replies.append(reply.id)
+    seqs = []
+    for (key, _, correction), reply_id in zip(corrections, replies, strict=True):
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"response_id": reply_id, "correction": correction}
+        response = httpx.post(server.base_url + "/v1/feedback", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        seqs.append(int(response.json()["id"].removeprefix("fb-")))
+    return seqs
 
 
 def wait_for(server: ServerProcess, predicate, timeout_s: float = 300.0) -> dict:
@@ -73,13 +80,12 @@ def quarantine(server: ServerProcess, key: str | None = None) -> httpx.Response:
 
 def test_a_garbage_correction_is_quarantined_and_releasable(trained):
     server, keys = trained
-    warmup = [correct(server, keys["alice"], q, c) for q, c in SENSIBLE[:4]]
+    warmup = correct(server, [(keys["alice"], q, c) for q, c in SENSIBLE[:4]])
     wait_for(server, lambda a: set(warmup) <= trained_seqs(a))
 
     rng = random.Random(0)
     garbage = "".join(rng.choice("qzxjkvbwy#%&0123456789") for _ in range(80))
-    good = [correct(server, keys["alice"], q, c) for q, c in SENSIBLE[4:]]
-    poison = correct(server, keys["bob"], "Say something.", garbage)
+    *good, poison = correct(server, [*[(keys["alice"], q, c) for q, c in SENSIBLE[4:]], (keys["bob"], "Hi.", garbage)])
     adapters = wait_for(server, lambda a: set(good) <= trained_seqs(a))
     assert poison not in trained_seqs(adapters), "the batch trained without it"
     [held] = quarantine(server).json()["data"]
