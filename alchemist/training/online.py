@@ -47,6 +47,11 @@ from alchemist.training.quarantine import LossGuard, Quarantine
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
+GUARD_KINDS = ("correction", "rated")  # sft entries: a correction, or a served answer rated 1
+
+
+def _guard_kind(entry: FeedbackEntry) -> str:
+    return "correction" if entry.correction is not None else "rated"
 
 
 @dataclass
@@ -97,7 +102,8 @@ class OnlineTrainer:
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.stats = OnlineStats()
-        self.guard = LossGuard(config.loss_spike_factor, config.loss_spike_warmup)
+        # A level per kind of sample: the model's own answers rated 1 have a far lower loss than corrections do.
+        self.guards = {kind: LossGuard(config.loss_spike_factor, config.loss_spike_warmup) for kind in GUARD_KINDS}
         self.quarantine = Quarantine(checkpoints.directory.parent / "quarantine.json")
         self.position = 0  # seq of the last log entry whose training is checkpointed
         self._read_position = 0  # seq of the last entry taken into a batch (>= position)
@@ -268,9 +274,12 @@ class OnlineTrainer:
         """Quarantines the batch's samples whose loss the guard flags (released ones are exempt), drops the
         gradients, and puts the others back to wait for the next batch; False if none is flagged."""
         released = set(self.quarantine.released())
-        checked = [(e, loss) for e, loss in zip(batch, losses, strict=True) if e.seq not in released]
-        reasons = self.guard.check([loss for _, loss in checked])
-        suspects = [(e, loss, reason) for (e, loss), reason in zip(checked, reasons, strict=True) if reason]
+        suspects = []
+        for kind, guard in self.guards.items():
+            checked = [(e, loss) for e, loss in zip(batch, losses, strict=True)
+                       if e.seq not in released and _guard_kind(e) == kind]  # fmt: skip
+            reasons = guard.check([loss for _, loss in checked])
+            suspects += [(e, loss, reason) for (e, loss), reason in zip(checked, reasons, strict=True) if reason]
         if not suspects:
             return False
         self.trainer.optimizer.zero_grad(set_to_none=True)
