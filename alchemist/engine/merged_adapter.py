@@ -50,10 +50,13 @@ class MergedLinearOps(ComputeOps):
         if self.complete:
             return
         layer = self.num_merged
-        for name in LINEAR_NAMES:
-            merged = self.adapter.merged_weight(layer, name, getattr(self.model.layers[layer], f"{name}_weight"))
-            if merged is not None:
-                self._weights[layer, name] = pack(merged) if self.packed else merged
+        # Normal tensors, never inference tensors, whichever mode the caller is in (a step, or the trainer's slice):
+        # the compiled decode step guards on a weight's dispatch keys, and the base weights are normal tensors.
+        with torch.inference_mode(False):
+            for name in LINEAR_NAMES:
+                merged = self.adapter.merged_weight(layer, name, getattr(self.model.layers[layer], f"{name}_weight"))
+                if merged is not None:
+                    self._weights[layer, name] = pack(merged) if self.packed else merged
         self.num_merged += 1
 
     def linear(
@@ -63,3 +66,7 @@ class MergedLinearOps(ComputeOps):
         if merged is None:  # a projection the adapter does not target
             return self.base.linear(layer, name, x, weight, bias)
         return packed_linear(x, merged, bias) if self.packed else F.linear(x, merged, bias)
+
+    def linear_weight(self, layer: int, name: str, weight: torch.Tensor) -> torch.Tensor:
+        merged = self._weights.get((layer, name))
+        return self.base.linear_weight(layer, name, weight) if merged is None else merged

@@ -65,3 +65,6 @@ class PackedLinearOps(ComputeOps):
         self, layer: int, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return packed_linear(x, self._packed[layer, name], bias)
+
+    def linear_weight(self, layer: int, name: str, weight: torch.Tensor) -> torch.Tensor:
+        return self._packed[layer, name]

@@ -18,6 +18,7 @@ import torch
 
 from alchemist.activations.recorder import Recorder
 from alchemist.config import EngineConfig
+from alchemist.engine.compiled_decode import CompiledDecode
 from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
@@ -57,6 +58,11 @@ class ModelRunner:
         if self._packed:
             self.ops = PackedLinearOps(model)
             self._packed_lm_head = pack(model.lm_head)
+        # All-decode batches that record nothing run the compiled layer where it applies; it compiles here, before
+        # serving starts, in the thread that steps.
+        self.compiled = CompiledDecode.create(model, self.cache, config.compile_decode, self._packed)
+        if self.compiled is not None:
+            self.compiled.warm_up(self.ops)
 
     def set_adapter(self, adapter: ServedAdapter | None, version: int, merged: MergedLinearOps | None = None) -> None:
         """Serves ``adapter`` from the next forward on (the engine calls it between steps only), with ``merged``,
@@ -117,7 +123,11 @@ class ModelRunner:
         adapter: Adapter | None = self.adapter
         if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
             ops, adapter = self.merged, None
-        hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
+        if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None and meta.all_decode:
+            slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
+            hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
+        else:
+            hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
         if self.recorder is not None:
             self.recorder.after_forward(ops)
         if self.merged is not None:

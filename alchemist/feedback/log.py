@@ -10,6 +10,10 @@ the row is on disk, so feedback the server acknowledged survives a crash or SIGK
 idempotency key (a hash of what the user sent) is unique: sending the same feedback again returns the existing
 entry and writes nothing. Token ids are stored as little-endian int32 blobs.
 
+What became of an entry is in the log too (``state``): "queued" until the trainer settles it, then "trained"
+(with the adapter version of the step) or "skipped" (with the reason). The table and its migrations:
+``alchemist.feedback.schema``.
+
 Kinds: "sft" (learn ``response_token_ids``: the served output, or the user's correction), "negative" (a rating of
 -1 without a correction: the served output was bad), "preference" (``response_id``'s output was preferred over
 ``preferred_over``'s, whose output is ``rejected_token_ids``).
@@ -26,35 +30,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from alchemist.feedback.schema import STATES, migrate
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("sft", "negative", "preference")
 RATINGS = (1, -1)
+# What people gave, as the backlog shows it and the trainer orders it: a correction, a rating, a preference.
+CLASSES = ("correction", "thumbs_up", "thumbs_down", "preference")
+CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
+    WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS feedback (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- AUTOINCREMENT: a seq is never reused, even after a delete
-    idempotency_key TEXT NOT NULL UNIQUE,
-    response_id TEXT NOT NULL,
-    kind TEXT NOT NULL CHECK (kind IN ('sft', 'negative', 'preference')),
-    rating INTEGER CHECK (rating IN (1, -1)),
-    correction TEXT,
-    preferred_over TEXT,
-    prompt_token_ids BLOB NOT NULL,
-    response_token_ids BLOB NOT NULL,
-    output_token_ids BLOB NOT NULL,
-    rejected_token_ids BLOB,
-    adapter_version INTEGER NOT NULL,
-    recorded INTEGER NOT NULL,
-    created_s REAL NOT NULL
-)
-"""
-_INSERTED = (  # every column but seq, in the order append() binds them
+_INSERTED = (  # the columns append() binds, in its order (the state's defaults apply)
     "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
     "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
+    "comment", "feedback_id", "metadata",
 )  # fmt: skip
 _INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join('?' * len(_INSERTED))})"
 
@@ -75,11 +69,34 @@ class FeedbackEntry:
     adapter_version: int  # the adapter the response was served with; 0 = the base model
     recorded: bool  # whether the prompt's activations were recorded (record id = response_id)
     created_s: float  # wall-clock time of the append
+    comment: str | None = None  # the user's words about the response: kept and shown, never trained on
+    feedback_id: str | None = None  # the client's own id for the submission (its idempotency key then)
+    metadata: dict[str, Any] | None = None  # the client's JSON object, as sent
+    state: str = "queued"  # "queued" | "trained" | "skipped"
+    trained_version: int | None = None  # the adapter version whose step trained it ("trained" only)
+    skip_reason: str | None = None  # why it will not be trained ("skipped" only)
+    settled_s: float | None = None  # when it left "queued"
 
 
-def idempotency_key(response_id: str, rating: int | None, correction: str | None, preferred_over: str | None) -> str:
-    """Equal for equal submissions: a retried POST finds the entry its first attempt wrote."""
-    payload = json.dumps([response_id, rating, correction, preferred_over], ensure_ascii=False)
+def idempotency_key(
+    response_id: str,
+    rating: int | None,
+    correction: str | None,
+    preferred_over: str | None,
+    comment: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    feedback_id: str | None = None,
+) -> str:
+    """Equal for equal submissions: a retried POST finds the entry its first attempt wrote. With the client's
+    ``feedback_id``, that id alone (the client says what is the same submission); without comment and metadata,
+    the key of schema version 1 (a retry of feedback logged before them still finds its entry)."""
+    if feedback_id is not None:
+        fields: list[Any] = ["feedback_id", feedback_id]
+    else:
+        fields = [response_id, rating, correction, preferred_over]
+        if comment is not None or metadata is not None:
+            fields += [comment, metadata]
+    payload = json.dumps(fields, ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -109,7 +126,7 @@ class FeedbackLog:
             # FULL: a commit in WAL mode fsyncs the WAL, so an acknowledged append survives power loss too.
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA busy_timeout=10000")  # another process (a reader, a tool) may hold a lock
-            self._conn.execute(_SCHEMA)
+            migrate(self._conn)
 
     def append(
         self,
@@ -125,6 +142,9 @@ class FeedbackLog:
         correction: str | None = None,
         preferred_over: str | None = None,
         rejected_token_ids: Sequence[int] | None = None,
+        comment: str | None = None,
+        feedback_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> tuple[FeedbackEntry, bool]:
         """Writes an entry (durably) unless one with the same submission exists; returns (entry, created)."""
         if kind not in KINDS:
@@ -133,7 +153,9 @@ class FeedbackLog:
             raise ValueError(f"rating must be 1, -1 or None (got {rating!r})")
         if (kind == "preference") != (rejected_token_ids is not None):
             raise ValueError("rejected_token_ids must be given for kind 'preference' and only then")
-        key = idempotency_key(response_id, rating, correction, preferred_over)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ValueError(f"metadata must be a JSON object (got {type(metadata).__name__})")
+        key = idempotency_key(response_id, rating, correction, preferred_over, comment, metadata, feedback_id)
         row = (
             key,
             response_id,
@@ -148,6 +170,9 @@ class FeedbackLog:
             int(adapter_version),
             int(bool(recorded)),
             time.time(),
+            comment,
+            feedback_id,
+            None if metadata is None else json.dumps(metadata, ensure_ascii=False),
         )
         with self._lock:
             # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
@@ -172,6 +197,94 @@ class FeedbackLog:
         """The entry with idempotency key ``key``, if any."""
         with self._lock:
             return self._find(key)
+
+    def get(self, seq: int) -> FeedbackEntry | None:
+        """The entry at ``seq``, if any."""
+        return self._one("SELECT * FROM feedback WHERE seq = ?", (seq,))
+
+    def find_feedback_id(self, feedback_id: str) -> FeedbackEntry | None:
+        """The entry a client submitted with its ``feedback_id``, if any."""
+        return self._one("SELECT * FROM feedback WHERE feedback_id = ?", (feedback_id,))
+
+    def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
+        """The queued entries among ``seqs`` were trained by the step that made adapter ``version`` (None: a version
+        no longer known); returns how many changed (an entry already settled keeps its state: settling is
+        idempotent)."""
+        return self._settle(seqs, "state = 'trained', trained_version = ?", (version,))
+
+    def mark_skipped(self, seqs: Sequence[int], reason: str) -> int:
+        """The queued entries among ``seqs`` will not be trained, for ``reason``; returns how many changed."""
+        if not reason:
+            raise ValueError("a skipped entry needs its reason")
+        return self._settle(seqs, "state = 'skipped', skip_reason = ?", (reason,))
+
+    def next_queued(self, limit: int) -> list[FeedbackEntry]:
+        """Up to ``limit`` queued entries in training order: corrections first, then the rest, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT * FROM feedback WHERE state = 'queued' ORDER BY {CLASS} != 'correction', seq LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def entries(self, state: str | None = None, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
+        """Up to ``limit`` entries (in ``state``, if given) with seq > ``after_seq``, oldest first."""
+        where = "seq > ?" + ("" if state is None else " AND state = ?")
+        args = (after_seq,) + (() if state is None else (state,))
+        with self._lock:
+            rows = self._conn.execute(f"SELECT * FROM feedback WHERE {where} ORDER BY seq LIMIT ?", (*args, limit))
+            return [_entry(r) for r in rows.fetchall()]
+
+    def backlog(self) -> dict[str, tuple[int, float | None]]:
+        """Queued entries by class ("correction", "thumbs_up", "thumbs_down", "preference"): (count, the oldest's
+        created_s or None), every class present."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {CLASS}, COUNT(*), MIN(created_s) FROM feedback WHERE state = 'queued' GROUP BY 1"
+            ).fetchall()
+        return {c: (0, None) for c in CLASSES} | {c: (n, oldest) for c, n, oldest in rows}
+
+    def state_counts(self) -> dict[str, int]:
+        """Entries per state (every state present, 0 when none)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT state, COUNT(*) FROM feedback GROUP BY state").fetchall()
+        return {state: 0 for state in STATES} | dict(rows)
+
+    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
+        """Marks skipped, for ``reason``, the queued entries of ``classes`` that arrived before
+        ``created_before_s``; returns how many."""
+        if not classes:
+            return 0
+        marks = ", ".join("?" * len(classes))
+        with self._lock:
+            return self._conn.execute(
+                f"UPDATE feedback SET state = 'skipped', skip_reason = ?, settled_s = ? "
+                f"WHERE state = 'queued' AND created_s < ? AND {CLASS} IN ({marks})",
+                (reason, time.time(), created_before_s, *classes),
+            ).rowcount
+
+    def settled_through(self, excluding: Sequence[int] = ()) -> int:
+        """The largest seq up to which every entry is settled (trained or skipped) or among ``excluding``."""
+        marks = ", ".join("?" * len(excluding))
+        with self._lock:  # one read transaction: an append in between cannot slip under the answer
+            self._conn.execute("BEGIN")
+            try:
+                last = self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
+                first = self._conn.execute(
+                    f"SELECT MIN(seq) FROM feedback WHERE state = 'queued' AND seq NOT IN ({marks})", tuple(excluding)
+                ).fetchone()[0]
+            finally:
+                self._conn.execute("COMMIT")
+        return last if first is None else first - 1
+
+    def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
+        """(seq, kind) of the queued entries (with seq <= ``through_seq``), oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, kind FROM feedback WHERE state = 'queued' AND seq <= ? ORDER BY seq",
+                (through_seq if through_seq is not None else 2**62,),
+            ).fetchall()
+        return [(seq, kind) for seq, kind in rows]
 
     def read(self, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
         """Up to ``limit`` entries with seq > ``after_seq``, oldest first."""
@@ -203,6 +316,19 @@ class FeedbackLog:
         with self._lock:
             self._conn.close()  # the last connection to close checkpoints the WAL into the main file
 
+    def _one(self, query: str, args: tuple) -> FeedbackEntry | None:
+        with self._lock:
+            row = self._conn.execute(query, args).fetchone()
+        return None if row is None else _entry(row)
+
+    def _settle(self, seqs: Sequence[int], assignment: str, args: tuple) -> int:
+        if not seqs:
+            return 0
+        marks = ", ".join("?" * len(seqs))
+        query = f"UPDATE feedback SET {assignment}, settled_s = ? WHERE state = 'queued' AND seq IN ({marks})"
+        with self._lock:  # one statement: its own transaction, durable (synchronous=FULL) when it returns
+            return self._conn.execute(query, (*args, time.time(), *map(int, seqs))).rowcount
+
     def _find(self, key: str) -> FeedbackEntry | None:
         row = self._conn.execute("SELECT * FROM feedback WHERE idempotency_key = ?", (key,)).fetchone()
         return None if row is None else _entry(row)
@@ -232,4 +358,11 @@ def _entry(row: sqlite3.Row) -> FeedbackEntry:
         adapter_version=row["adapter_version"],
         recorded=bool(row["recorded"]),
         created_s=row["created_s"],
+        comment=row["comment"],
+        feedback_id=row["feedback_id"],
+        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
+        state=row["state"],
+        trained_version=row["trained_version"],
+        skip_reason=row["skip_reason"],
+        settled_s=row["settled_s"],
     )

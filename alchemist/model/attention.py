@@ -126,6 +126,10 @@ class AttentionMetadata:
     def decode_rows(self) -> list[int]:
         return [off for seg, off in zip(self.segments, self.offsets, strict=True) if seg.is_decode]
 
+    @property
+    def all_decode(self) -> bool:
+        return len(self.decode_rows) == len(self.segments)
+
     @cached_property
     def decode_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.is_decode]

@@ -46,6 +46,11 @@ class ComputeOps:
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def linear_weight(self, layer: int, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The weight ``linear`` multiplies by in place of the model's ``weight``, in its own layout (the compiled
+        decode step takes it as an input: ``alchemist.engine.compiled_decode``)."""
+        return weight
+
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

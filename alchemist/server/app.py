@@ -36,6 +36,8 @@ from alchemist.server.errors import (
     AdapterNotFoundError,
     AuthenticationError,
     BodyTooLargeError,
+    FeedbackConflictError,
+    FeedbackNotFoundError,
     ModelNotFoundError,
     PermissionDeniedError,
     RateLimitError,
@@ -48,7 +50,9 @@ from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.quarantine import router as quarantine_router
 from alchemist.server.routes import router
+from alchemist.server.series import SeriesRecorder
 from alchemist.server.service import OpenAIServing
+from alchemist.server.web import mount_web
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 
@@ -66,6 +70,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),  # a key's limits (alchemist.server.limits)
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
+    FeedbackNotFoundError: (404, "invalid_request_error", "feedback_not_found"),
+    FeedbackConflictError: (409, "invalid_request_error", "feedback_id_conflict"),  # a reused client feedback_id
     ValueError: (400, "invalid_request_error", None),
     Exception: (500, "internal_server_error", None),
 }
@@ -145,16 +151,24 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 def build_app(
-    serving: OpenAIServing, async_engine: AsyncEngine, metrics: ServerMetrics, max_body_bytes: int
+    serving: OpenAIServing,
+    async_engine: AsyncEngine,
+    metrics: ServerMetrics,
+    max_body_bytes: int,
+    series: SeriesRecorder | None = None,
 ) -> FastAPI:
-    """The app around ready parts; the engine thread runs for the app's lifespan."""
+    """The app around ready parts; the engine thread and the dashboard's sampler run for the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if series is not None:
+            series.start()
         try:
             yield
         finally:
+            if series is not None:
+                series.stop()
             async_engine.shutdown()
 
     app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, openapi_url=None)  # ours take keys
@@ -163,10 +177,12 @@ def build_app(
     app.state.keys = KeyStore()  # none: open (app_for_engine sets the server's)
     app.state.limits = serving.limits
     app.state.server_config = ServerConfig()
+    app.state.series = series
     app.include_router(router)
     app.include_router(docs_router)
     app.include_router(quarantine_router)
     install_openapi(app)
+    mount_web(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 
     async def handle(request: Request, exc: Exception) -> Response:
@@ -200,6 +216,7 @@ def app_for_engine(
     metrics = ServerMetrics(engine.stats)
     feedback_log = FeedbackLog(server_config.feedback_db_path)
     feedback_log.add_listener(metrics.observe_feedback)
+    metrics.watch_feedback(feedback_log)
     trainer = None
     checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
     if online_config.enabled:
@@ -221,7 +238,8 @@ def app_for_engine(
     assert engine.config.max_model_len is not None
     anchors = trainer.anchors if trainer is not None else None
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
-    app = build_app(serving, async_engine, metrics, server_config.max_body_bytes)
+    series = SeriesRecorder(metrics, feedback_log, lambda: engine.adapter_version)
+    app = build_app(serving, async_engine, metrics, server_config.max_body_bytes, series)
     app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
     serving.limits = app.state.limits = _key_limits(server_config, engine)
     app.state.server_config = server_config
@@ -265,6 +283,13 @@ def create_app(
     return app_for_engine(engine, names, server_config, own_step_thread, online_config)
 
 
+def app_urls(server_config: ServerConfig) -> str:
+    """The start-up line: where people open the app (an any-address bind is opened on this machine)."""
+    host = "127.0.0.1" if server_config.host in ("", "0.0.0.0", "::") else server_config.host
+    base = f"http://{f'[{host}]' if ':' in host else host}:{server_config.port}"
+    return f"alchemist: chat at {base}/  dashboard at {base}/dashboard  OpenAI API at {base}/v1"
+
+
 def run_server(
     engine_config: EngineConfig,
     server_config: ServerConfig,
@@ -297,6 +322,7 @@ def run_server(
     signal.signal(signal.SIGHUP, lambda signum, frame: app.state.keys.reload())
     _say_who_may_connect(server_config)
     async_engine: AsyncEngine = app.state.async_engine
+    print(app_urls(server_config), flush=True)
     http = threading.Thread(target=serve_http, name="uvicorn")
     http.start()
     try:

@@ -70,3 +70,23 @@ class RateLimitError(RuntimeError):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.headers = {"Retry-After": str(max(1, int(retry_after_s + 0.999)))}
+
+
+class FeedbackNotFoundError(LookupError):
+    """GET /v1/feedback/{id} names no entry (neither a server id "fb-<seq>" nor a client's feedback_id)."""
+
+    def __init__(self, feedback_id: str):
+        super().__init__(f"No feedback with id {feedback_id!r} (an id fb-<seq> from POST /v1/feedback, or the "
+                         "feedback_id a client sent)")  # fmt: skip
+        self.param = "id"
+
+
+class FeedbackConflictError(ValueError):
+    """A client's feedback_id already names an entry with different content."""
+
+    def __init__(self, feedback_id: str, seq: int):
+        super().__init__(
+            f"feedback_id {feedback_id!r} already names feedback fb-{seq} with different content; a retry must send "
+            "the same fields, new feedback a new feedback_id"
+        )
+        self.param = "feedback_id"

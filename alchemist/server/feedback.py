@@ -6,7 +6,10 @@ so that the entry stays usable after the registry forgets the response. Every ch
 refused request leaves the log untouched.
 
 A submission is first looked up by its idempotency key, so a client retrying after a lost answer gets the entry its
-first attempt wrote (``created`` False), even once the response itself has expired.
+first attempt wrote (``created`` False), even once the response itself has expired. A client that sends its own
+``feedback_id`` makes that id the key: a retry finds the entry by it (and must send the same fields: other content
+under a used id is a 409), and ``GET /v1/feedback/{feedback_id}`` answers as ``GET /v1/feedback/fb-<seq>`` does.
+``comment`` and ``metadata`` are kept with the entry and shown, never trained on.
 
 Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the end-of-turn id); rating 1 ->
 "sft" on (prompt, served output); rating -1 -> "negative"; preferred_over -> "preference".
@@ -15,11 +18,19 @@ Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the
 from __future__ import annotations
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog, idempotency_key
+from alchemist.feedback.schema import STATES
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.server import protocol as p
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
-from alchemist.server.errors import InvalidRequestError, ResponseNotFoundError
+from alchemist.server.errors import (
+    FeedbackConflictError,
+    FeedbackNotFoundError,
+    InvalidRequestError,
+    ResponseNotFoundError,
+)
 from alchemist.server.ownership import check_owner
+
+MAX_LIST = 1000  # entries in one GET /v1/feedback
 
 
 class FeedbackService:
@@ -33,9 +44,12 @@ class FeedbackService:
         """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop.
         ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys)."""
         check_owner(self.registry, owner, req.response_id, req.preferred_over)
-        existing = self.log.find(idempotency_key(req.response_id, req.rating, req.correction, req.preferred_over))
+        key = idempotency_key(
+            req.response_id, req.rating, req.correction, req.preferred_over, req.comment, req.metadata, req.feedback_id
+        )
+        existing = self.log.find(key)
         if existing is not None:
-            return _response(existing, created=False)
+            return self._repeat(existing, req)
         record = self._lookup(req.response_id, "response_id")
         rejected = None
         if req.preferred_over is not None:
@@ -59,8 +73,48 @@ class FeedbackService:
             rejected_token_ids=rejected,
             adapter_version=record.adapter_version,
             recorded=record.recorded,
+            comment=req.comment,
+            feedback_id=req.feedback_id,
+            metadata=req.metadata,
         )
-        return _response(entry, created)
+        return self._repeat(entry, req) if not created else _response(entry, created)
+
+    def get(self, feedback_id: str, owner: str | None = None) -> p.FeedbackInfo:
+        """An entry and its state, by the server's id ("fb-<seq>") or the client's ``feedback_id``; ``owner`` as
+        for ``submit`` (an entry on another key's response is a 403 while the server still knows the response)."""
+        entry = None
+        if p.SERVER_FEEDBACK_ID.fullmatch(feedback_id):
+            entry = self.log.get(int(feedback_id[3:]))
+        else:
+            entry = self.log.find_feedback_id(feedback_id)
+        if entry is None:
+            raise FeedbackNotFoundError(feedback_id)
+        check_owner(self.registry, owner, entry.response_id)
+        return _info(entry)
+
+    def entries(self, state: str | None, after: str | None, limit: int) -> p.FeedbackList:
+        """Entries (in ``state``) after the entry ``after`` ("fb-<seq>"), oldest first, and the backlog."""
+        if state is not None and state not in STATES:
+            raise InvalidRequestError(f"state must be one of {', '.join(STATES)} (got {state!r})", "state")
+        if after is not None and not p.SERVER_FEEDBACK_ID.fullmatch(after):
+            raise InvalidRequestError(f"after must be a feedback id fb-<seq> (got {after!r})", "after")
+        if not 1 <= limit <= MAX_LIST:
+            raise InvalidRequestError(f"limit must be in 1..{MAX_LIST} (got {limit})", "limit")
+        entries = self.log.entries(state, int(after[3:]) if after else 0, limit + 1)
+        backlog = {kind: p.BacklogClass(count=n, oldest_created_at=None if oldest is None else int(oldest))
+                   for kind, (n, oldest) in self.log.backlog().items()}  # fmt: skip
+        return p.FeedbackList(data=[_info(e) for e in entries[:limit]], has_more=len(entries) > limit, backlog=backlog)
+
+    @staticmethod
+    def _repeat(entry: FeedbackEntry, req: p.FeedbackRequest) -> p.FeedbackResponse:
+        """The answer to a submission already logged: that entry, unless a client's feedback_id is reused for
+        other content."""
+        sent = (req.response_id, req.rating, req.correction, req.preferred_over, req.comment, req.metadata)
+        logged = (entry.response_id, entry.rating, entry.correction, entry.preferred_over, entry.comment,
+                  entry.metadata)  # fmt: skip
+        if req.feedback_id is not None and sent != logged:
+            raise FeedbackConflictError(req.feedback_id, entry.seq)
+        return _response(entry, created=False)
 
     def _lookup(self, response_id: str, param: str) -> CompletionRecord:
         record = self.registry.get(response_id)
@@ -94,5 +148,21 @@ class FeedbackService:
         return ids
 
 
+def _info(entry: FeedbackEntry) -> p.FeedbackInfo:
+    return p.FeedbackInfo(
+        id=f"fb-{entry.seq}",
+        response_id=entry.response_id,
+        kind=entry.kind,
+        rating=entry.rating,
+        comment=entry.comment,
+        metadata=entry.metadata,
+        feedback_id=entry.feedback_id,
+        created_at=int(entry.created_s),
+        state=entry.state,
+        trained_version=entry.trained_version,
+        skip_reason=entry.skip_reason,
+    )
+
+
 def _response(entry: FeedbackEntry, created: bool) -> p.FeedbackResponse:
-    return p.FeedbackResponse(id=f"fb-{entry.seq}", response_id=entry.response_id, kind=entry.kind, created=created)
+    return p.FeedbackResponse(**_info(entry).model_dump(), created=created)

@@ -9,6 +9,9 @@ are current even while the engine sleeps. ``feedback_total`` counts the feedback
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -16,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from alchemist.engine import EngineStats, RequestOutput
-from alchemist.feedback.log import KINDS, FeedbackEntry
+from alchemist.feedback.log import KINDS, FeedbackEntry, FeedbackLog
 
 PREFIX = "alchemist:"
 # vLLM's buckets, extended at the slow end for a CPU.
@@ -130,6 +133,49 @@ class _TrainingCollector(Collector):
         )
 
 
+class LatencyWindow:
+    """The TTFT and TPOT of recently finished requests, for the dashboard's percentiles (a histogram's buckets are
+    too coarse for a p50 over a few seconds). Fed by ``ServerMetrics.observe``; read from another thread."""
+
+    def __init__(self, maxlen: int = 4096):
+        self._items: deque[tuple[float, float, float]] = deque(maxlen=maxlen)  # (finished at, ttft_s, tpot_s)
+        self._lock = threading.Lock()
+
+    def add(self, ttft_s: float, tpot_s: float, now: float | None = None) -> None:
+        with self._lock:
+            self._items.append((time.monotonic() if now is None else now, ttft_s, tpot_s))
+
+    def since(self, t: float) -> tuple[list[float], list[float]]:
+        """(TTFTs, TPOTs) of the requests that finished at or after monotonic time ``t``."""
+        with self._lock:
+            recent = [item for item in self._items if item[0] >= t]
+        return [ttft for _, ttft, _ in recent], [tpot for _, _, tpot in recent]
+
+
+class _FeedbackStateCollector(Collector):
+    """The feedback log's backlog and states, read from the log when Prometheus scrapes (trainer or not)."""
+
+    def __init__(self, log: FeedbackLog):
+        self.log = log
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time()
+        count = GaugeMetricFamily(PREFIX + "feedback_backlog", "Feedback queued for training, by class.",
+                                  labels=["kind"])  # fmt: skip
+        age = GaugeMetricFamily(PREFIX + "feedback_backlog_oldest_seconds",
+                                "Age of the oldest queued feedback of each class (0 when none).",
+                                labels=["kind"])  # fmt: skip
+        for kind, (n, oldest) in self.log.backlog().items():
+            count.add_metric([kind], n)
+            age.add_metric([kind], 0.0 if oldest is None else now - oldest)
+        yield count
+        yield age
+        states = GaugeMetricFamily(PREFIX + "feedback_entries", "Feedback log entries by state.", labels=["state"])
+        for state, n in self.log.state_counts().items():
+            states.add_metric([state], n)
+        yield states
+
+
 class ServerMetrics:
     def __init__(self, read_stats: Callable[[], EngineStats], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -159,6 +205,9 @@ class ServerMetrics:
         for kind in KINDS:  # every kind from 0, so that rates exist before the first entry of a kind
             self.feedback.labels(kind=kind)
         r.register(_EngineStatsCollector(read_stats))
+        self.read_stats = read_stats
+        self.trainer = None  # the OnlineTrainer, once watch_training is called
+        self.recent = LatencyWindow()
 
     def observe(self, outputs: Sequence[RequestOutput]) -> None:
         """Called with each step's outputs from the engine thread (prometheus_client is thread-safe)."""
@@ -174,13 +223,19 @@ class ServerMetrics:
             if out.output_token_ids:  # an aborted request may have none: no TTFT to speak of
                 self.ttft.observe(t.ttft_s)
                 self.tpot.observe(t.tpot_s)
+                self.recent.add(t.ttft_s, t.tpot_s)
 
     def observe_feedback(self, entry: FeedbackEntry) -> None:
         """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""
         self.feedback.labels(kind=entry.kind).inc()
 
+    def watch_feedback(self, log: FeedbackLog) -> None:
+        """Expose the feedback log's backlog (by class, with the oldest's age) and its entries by state."""
+        self.registry.register(_FeedbackStateCollector(log))
+
     def watch_training(self, trainer) -> None:
         """Expose the online trainer's metrics (an OnlineTrainer)."""
+        self.trainer = trainer
         self.registry.register(_TrainingCollector(trainer))
 
     def render(self) -> bytes:

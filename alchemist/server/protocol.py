@@ -10,6 +10,8 @@ the client's ``extra_body``).
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -25,6 +27,10 @@ from pydantic import (
 )
 
 MAX_LOGPROBS = 20
+MAX_COMMENT_CHARS = 10_000
+MAX_FEEDBACK_ID_CHARS = 256
+MAX_METADATA_BYTES = 16_384
+SERVER_FEEDBACK_ID = re.compile(r"fb-\d+")
 
 
 def random_id(prefix: str) -> str:
@@ -33,6 +39,12 @@ def random_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
+
+
+def fingerprint(adapter_version: int) -> str:
+    """OpenAI's ``system_fingerprint`` names the backend configuration that answered: here the adapter version
+    (``alchemist-v0``: the base model), which is what changes as the server learns."""
+    return f"alchemist-v{adapter_version}"
 
 
 class OpenAIModel(BaseModel):
@@ -210,6 +222,7 @@ class ChatCompletionResponse(OpenAIModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
@@ -235,6 +248,7 @@ class ChatCompletionChunk(OpenAIModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
 
@@ -258,6 +272,7 @@ class CompletionResponse(OpenAIModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_s)
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None  # always set on full responses; None in stream chunks
 
@@ -288,6 +303,27 @@ class FeedbackRequest(BaseModel):
     rating: Literal[1, -1] | None = None
     correction: str | None = None
     preferred_over: str | None = None
+    # What feedback tools send beside (LangSmith, Langfuse, Open WebUI): kept and shown, never trained on.
+    comment: str | None = Field(default=None, max_length=MAX_COMMENT_CHARS)
+    feedback_id: str | None = Field(default=None, min_length=1, max_length=MAX_FEEDBACK_ID_CHARS)  # idempotency
+    metadata: dict[str, Any] | None = None  # any JSON object, at most MAX_METADATA_BYTES as compact JSON
+
+    @field_validator("feedback_id")
+    @classmethod
+    def _feedback_id_is_not_ours(cls, feedback_id: str | None) -> str | None:
+        # GET /v1/feedback/{id} takes either kind of id: a client's must not look like the server's "fb-<seq>".
+        if feedback_id is not None and SERVER_FEEDBACK_ID.fullmatch(feedback_id):
+            raise ValueError("feedback_id must not have the form fb-<number> (the server's own ids)")
+        return feedback_id
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_is_small(cls, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+        if metadata is not None:
+            size = len(json.dumps(metadata, ensure_ascii=False, separators=(",", ":")).encode())
+            if size > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES} are kept")
+        return metadata
 
     @field_validator("rating", mode="before")
     @classmethod
@@ -314,11 +350,40 @@ class FeedbackRequest(BaseModel):
         return self
 
 
-class FeedbackResponse(OpenAIModel):
+class FeedbackInfo(OpenAIModel):
+    """An entry of the feedback log and what became of it: GET /v1/feedback/{id}."""
+
     id: str  # "fb-<seq>": the entry's position in the feedback log
     object: Literal["feedback"] = "feedback"
     response_id: str
     kind: Literal["sft", "negative", "preference"]
+    rating: int | None
+    comment: str | None
+    metadata: dict[str, Any] | None
+    feedback_id: str | None  # the client's id, if it sent one (GET /v1/feedback/{feedback_id} finds it too)
+    created_at: int  # unix seconds of the append
+    state: Literal["queued", "trained", "skipped"]
+    trained_version: int | None  # the adapter version whose training step learned it ("trained")
+    skip_reason: str | None  # why it will not be trained ("skipped")
+
+
+class BacklogClass(OpenAIModel):
+    count: int  # queued entries of this class
+    oldest_created_at: int | None  # unix seconds of the oldest one's arrival
+
+
+class FeedbackList(OpenAIModel):
+    """GET /v1/feedback: entries oldest first (filtered by state), and the backlog by class."""
+
+    object: Literal["list"] = "list"
+    data: list[FeedbackInfo]
+    has_more: bool  # more entries after the last one here (ask again with after=<its id>)
+    backlog: dict[str, BacklogClass]  # "correction", "thumbs_up", "thumbs_down", "preference"
+
+
+class FeedbackResponse(FeedbackInfo):
+    """POST /v1/feedback's answer: the entry, and whether this request wrote it."""
+
     created: bool  # False: the same feedback was already logged (this is that entry)
 
 

@@ -21,6 +21,8 @@ from alchemist.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    FeedbackInfo,
+    FeedbackList,
     FeedbackRequest,
     FeedbackResponse,
     ModelList,
@@ -72,6 +74,33 @@ async def completions(body: CompletionRequest, request: Request, caller: Caller 
 def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(feedback_giver)) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body, None if caller.admin else caller.name)
+
+
+@router.get("/v1/feedback", responses=errors(400, 401, 403))
+def feedback_list(
+    request: Request, state: str | None = None, after: str | None = None, limit: int = 100,
+    caller: Caller = Depends(admin),
+) -> FeedbackList:  # fmt: skip
+    # Everyone's feedback: an admin's. A plain def: a read of the SQLite log, off the event loop.
+    return request.app.state.feedback.entries(state, after, limit)
+
+
+@router.get("/v1/feedback/{feedback_id}", responses=errors(401, 403, 404))
+def feedback_entry(feedback_id: str, request: Request, caller: Caller = Depends(user)) -> FeedbackInfo:
+    # A plain def: a read of the SQLite log, off the event loop.
+    return request.app.state.feedback.get(feedback_id, None if caller.admin else caller.name)
+
+
+@router.get("/v1/dashboard/series", responses=errors(400, 401, 403))
+async def dashboard_series(
+    request: Request, since: float | None = None, caller: Caller = Depends(metrics_reader)
+) -> dict[str, Any]:
+    """The dashboard's time series (``alchemist.server.series``): the points after unix time ``since``; who may read
+    them is who may read /metrics."""
+    series = request.app.state.series
+    if series is None:
+        raise ValueError("this server keeps no dashboard series")
+    return series.snapshot(since)
 
 
 @router.get("/v1/adapters", responses=errors(401))

@@ -133,24 +133,40 @@ class OpenAIServing:
             logprobs=self._chat_logprobs(acc.logprobs, req.top_logprobs) if req.logprobs else None,
             finish_reason=acc.finish_reason,
         )
-        return p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=acc.usage())
+        return p.ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            system_fingerprint=p.fingerprint(acc.adapter_version),
+            choices=[choice],
+            usage=acc.usage(),
+        )
 
     async def _chat_stream(
         self, req: p.ChatCompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
     ) -> AsyncGenerator[str, None]:
         created = p.now_s()
         chunk = lambda choices, usage=None: p.ChatCompletionChunk(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=p.fingerprint(acc.adapter_version),
+            choices=choices,
+            usage=usage,
         )
+        role = [p.ChatCompletionStreamChoice(delta=p.ChatDelta(role="assistant", content=""))]
         try:
-            yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(role="assistant", content=""))]))
             async for out in stream:
                 acc.add(out)
+                if role:  # sent with the first output, whose prefill names the adapter version every chunk carries
+                    yield sse(chunk(role))
+                    role = None
                 logprobs = self._chat_logprobs(out.logprobs, req.top_logprobs) if req.logprobs else None
                 if out.new_text or logprobs:
                     delta = p.ChatDelta(content=out.new_text)
                     yield sse(chunk([p.ChatCompletionStreamChoice(delta=delta, logprobs=logprobs)]))
             self._register(request_id, acc)
+            if role:  # no output at all (aborted before its prefill)
+                yield sse(chunk(role))
             yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(), finish_reason=acc.finish_reason)]))
             if req.include_usage:
                 yield sse(chunk([], acc.usage()))
@@ -178,14 +194,25 @@ class OpenAIServing:
         self._register(request_id, acc)
         logprobs = self._completion_logprobs(acc.logprobs, 0) if req.logprobs is not None else None
         choice = p.CompletionChoice(text=acc.text, logprobs=logprobs, finish_reason=acc.finish_reason)
-        return p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=acc.usage())
+        return p.CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            system_fingerprint=p.fingerprint(acc.adapter_version),
+            choices=[choice],
+            usage=acc.usage(),
+        )
 
     async def _completion_stream(
         self, req: p.CompletionRequest, request_id: str, stream: RequestStream, acc: Accumulator
     ) -> AsyncGenerator[str, None]:
         created = p.now_s()
         chunk = lambda choices, usage=None: p.CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            system_fingerprint=p.fingerprint(acc.adapter_version),
+            choices=choices,
+            usage=usage,
         )
         try:
             async for out in stream:

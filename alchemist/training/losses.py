@@ -1,8 +1,9 @@
 """The losses of a sample, on the R hidden rows that predict its response (positions P-1..P+R-2).
 
 Both training paths (``recompute``, ``replay``) end here: the cross-entropy of the response tokens, or for an
-anchor (``alchemist.training.anchors``) the KL from a reference distribution kept as its top-k ``Targets``. Both
-are computed in (at least) fp32, also for a bf16 model.
+anchor (``alchemist.training.anchors``) the KL from a reference distribution kept as its top-k ``Targets``, or for
+a preference objective (``alchemist.training.objectives``) the response's sequence log-probability, which the
+objective turns into loss. All are computed in (at least) fp32, also for a bf16 model.
 """
 
 from __future__ import annotations
@@ -43,3 +44,8 @@ def response_loss(
     if targets is not None:
         return kl_to_targets(logits, targets)
     return F.nll_loss(log_probs(logits), response_ids)
+
+
+def sequence_logp(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+    """log p(response | prompt): the sum of the response tokens' log-probabilities, from their R hidden rows."""
+    return log_probs(model.logits(hidden)).gather(-1, response_ids[:, None]).sum()

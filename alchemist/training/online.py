@@ -5,17 +5,20 @@
         engine.step()
         if trainer.has_work(): trainer.run_slice()
 
-The story of one mini-batch: read the next ``sft`` entries of the log -> samples (prompt, response to learn, the
-prompt's record) -> ``epochs`` optimizer steps, each sample replayed from its record where the record is fresh
-enough, recomputed otherwise -> publish the new adapter version to the engine -> checkpoint it (adapter, optimizer
-state, the log position of the batch's last entry, its metrics) atomically. "negative" and "preference" entries
-are passed over (counted; a later objective trains on them). Each step also keeps the adapted model close to the
-base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over ``anchor_samples`` anchors
-(``alchemist.training.anchors``; replayed from their records too).
+The story of one mini-batch: the next queued entries of the log, corrections first, oldest first
+(``alchemist.training.feedback_queue``, which also skips what the backlog policy gives up on) -> a
+``FeedbackBatch``: corrections by SFT, ratings by KTO, preference pairs by DPO, against the base model's
+log-probabilities, computed once (``alchemist.training.objectives``) -> ``epochs`` optimizer steps, each sample
+replayed from its record where the record is fresh enough, recomputed otherwise -> publish the new adapter version
+to the engine -> checkpoint it (adapter, optimizer state, the log position up to which everything is settled, its
+metrics and the seqs it trained) atomically -> mark the entries trained in the log. Each step also keeps the
+adapted model close to the base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over
+``anchor_samples`` anchors (``alchemist.training.anchors``; replayed from their records too).
 
-Exactly once: the position in the log moves only with a checkpoint. A crash before it loses the batch's update,
-and the restarted trainer (``restore``) reads the same entries again from the checkpointed position; a crash after
-it never sees them again. Acknowledged feedback is in the log before the server answers, so none is lost.
+Exactly once: an entry is queued in the log until its batch's checkpoint is committed. A crash before it loses the
+batch's update, and the restarted trainer reads the same entries again (still queued); a crash between the
+checkpoint and the log's update is settled by ``restore`` from the checkpoint's seqs. Acknowledged feedback is in
+the log before the server answers, so none is lost.
 
 Slices: all work is done in small slices (half a layer of a replay walk, a layer of the anchors' reference forward
 or of a publish's merge, a sample's loss, a recomputed group of samples trained together, an update, a checkpoint)
@@ -26,7 +29,7 @@ requests are in flight (the step loop's accounting); with none in flight, traini
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
 meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
-(feedback trained since is not trained again). It waits for the batch in training to be checkpointed first.
+(feedback trained since is not trained again).
 """
 
 from __future__ import annotations
@@ -43,15 +46,11 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.quarantine import LossGuard, Quarantine
+from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
+from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
-GUARD_KINDS = ("correction", "rated")  # sft entries: a correction, or a served answer rated 1
-
-
-def _guard_kind(entry: FeedbackEntry) -> str:
-    return "correction" if entry.correction is not None else "rated"
 
 
 @dataclass
@@ -63,7 +62,7 @@ class OnlineStats:
     response_tokens: int = 0  # tokens trained on, summed over sample passes
     replayed: int = 0
     recomputed: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # log entries of kinds not trained yet, by kind
+    skipped: dict[str, int] = field(default_factory=dict)  # entries the queue skipped, by why ("empty", "backlog")
     last_loss: float | None = None
     last_tokens_per_s: float = 0.0  # training tokens / training time, of the last batch
     train_s: float = 0.0  # time spent in training slices
@@ -72,7 +71,6 @@ class OnlineStats:
     anchor_tokens: int = 0
     anchor_replayed: int = 0
     last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
-    quarantined: int = 0  # samples held by the poisoning guard (alchemist.training.quarantine)
 
 
 class OnlineTrainer:
@@ -101,19 +99,17 @@ class OnlineTrainer:
             ),
         )
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
-        self.stats = OnlineStats()
-        # A level per kind of sample: the model's own answers rated 1 have a far lower loss than corrections do.
-        self.guards = {kind: LossGuard(config.loss_spike_factor, config.loss_spike_warmup) for kind in GUARD_KINDS}
-        self.quarantine = Quarantine(checkpoints.directory.parent / "quarantine.json")
-        self.position = 0  # seq of the last log entry whose training is checkpointed
-        self._read_position = 0  # seq of the last entry taken into a batch (>= position)
-        self._batch: list[FeedbackEntry] = []  # sft entries waiting for a step
+        self.weights = ObjectiveWeights(
+            sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
+            dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
+        )  # fmt: skip
+        # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
+        self.queue = FeedbackQueue(log, config, lambda e: self.anchors.exclude(e.response_id, e.prompt_token_ids))
+        self.stats = OnlineStats(skipped=self.queue.skipped)
+        self.position = 0  # every log entry up to this seq is settled (trained or skipped) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
-        # A slice, a look for new work and a rollback never interleave (reentrant: run_slice looks for work too).
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)  # notified when a batch's job ends (rollbacks wait for it)
-        self._rollbacks_waiting = 0  # while > 0, no new batch starts: a rollback goes at the next batch boundary
+        self._lock = threading.Lock()  # a slice and a rollback never interleave
         self.restore()
 
     # --- state ---------------------------------------------------------------------------------------------------
@@ -125,9 +121,23 @@ class OnlineTrainer:
             return
         self._load(latest.version)
         self.adapter.version = latest.version
-        self.position = self._read_position = latest.log_position
+        self.position = self.queue.seen = latest.log_position
         self.engine.set_adapter(self.adapter, latest.version)
+        self._settle_checkpointed()
         logger.info("online trainer: resumed at adapter version %d, log position %d", latest.version, self.position)
+
+    def _settle_checkpointed(self) -> None:
+        """The log's states catch up with the checkpoints: the entries a kept version trained (the log is told
+        right after each checkpoint; a crash in between leaves them queued), then the queued ones before the
+        position, which only a log from before states were kept has (its trainer trained "sft" entries and passed
+        the other kinds over)."""
+        for info in self.checkpoints.versions():
+            self.log.mark_trained(info.metrics.get("seqs", []), info.version)
+        passed = self.log.queued_seqs(through_seq=self.position)
+        self.log.mark_trained([seq for seq, kind in passed if kind == "sft"], None)
+        for kind in {kind for _, kind in passed if kind != "sft"}:
+            seqs = [seq for seq, k in passed if k == kind]
+            self.log.mark_skipped(seqs, f"logged before the trainer trained {kind!r} feedback")
 
     def _load(self, version: int) -> None:
         model = self.engine.model
@@ -149,68 +159,40 @@ class OnlineTrainer:
     def has_work(self) -> bool:
         if not self.config.enabled:
             return False
-        with self._lock:
-            if self._job is not None:
-                return True
-            self._take_released()
-            self._read_new()
-            if not self._batch:
-                return False
-            waited_s = time.time() - self._batch[0].created_s
-            return len(self._batch) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+        if self._job is not None:
+            return True
+        head = self.queue.head()
+        if not head:
+            return False
+        waited_s = time.time() - min(entry.created_s for entry, _ in head)
+        return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
         """One slice of training work; returns the seconds it took."""
         t0 = time.perf_counter()
         with self._lock:
             if self._job is None:
-                if self._rollbacks_waiting or not self.has_work():
+                if not self.has_work():
                     return 0.0
-                batch, self._batch = self._batch[: self.config.batch_size], self._batch[self.config.batch_size :]
-                self._job = self._train(batch)
+                self._job = self._train(self.queue.head())
             try:
                 next(self._job)
             except StopIteration:
                 self._job = None
             except Exception:
-                # Nothing acknowledged is lost: the position did not move, the entries are read again later.
+                # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
                 logger.exception("online training failed; its batch will be read again")
                 self._abandon()
-            if self._job is None:
-                self._idle.notify_all()
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed
         return elapsed
 
-    def _read_new(self) -> None:
-        for entry in self.log.read(after_seq=self._read_position, limit=max(64, self.config.batch_size)):
-            self._read_position = entry.seq
-            self.anchors.exclude(entry.response_id, entry.prompt_token_ids)
-            kind = entry.kind
-            if self.quarantine.is_held(entry.seq):
-                kind = "quarantined"
-            elif kind == "sft" and not (entry.prompt_token_ids and entry.response_token_ids):
-                kind = "invalid"  # nothing to learn (an empty served output): never a poison pill for the loop
-            if kind == "sft":
-                self._batch.append(entry)
-            else:
-                self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
-
-    def _take_released(self) -> None:
-        """Entries an admin released from quarantine go first into the next batch (they are behind the position)."""
-        waiting = {e.seq for e in self._batch}
-        for seq in self.quarantine.released():
-            if seq not in waiting:
-                entry = next(iter(self.log.read(after_seq=seq - 1, limit=1)), None)
-                if entry is not None and entry.seq == seq:
-                    self._batch.insert(0, entry)
-
     def _abandon(self) -> None:
         """Drop the batch in progress: back to the latest checkpoint's adapter and optimizer state (epochs already
         applied must not count), and read the log again from its position."""
         self._job = None
-        self._batch.clear()
+        self.queue.changed()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         latest = self.checkpoints.latest()
         if latest is not None:
@@ -219,7 +201,6 @@ class OnlineTrainer:
         else:
             self._load_initial()
             self.adapter.version = 0
-        self._read_position = self.position
 
     def _load_initial(self) -> None:
         """The adapter as it starts (B = 0: it serves exactly the base model's outputs), a fresh optimizer."""
@@ -229,20 +210,22 @@ class OnlineTrainer:
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
-    def _train(self, batch: list[FeedbackEntry]) -> Generator[None, None, None]:
+    def _train(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
-        samples = [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in batch]
+        feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.group_size)
+        if feedback.kto or feedback.dpo:
+            yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
-        losses, kls, tokens = [], [], 0
+        losses, kls, tokens, by_objective = [], [], 0, {}
         self._job_s = 0.0
-        passes = samples + anchors
-        scales = [self.config.anchor_weight / len(anchors) if s.targets is not None else 1.0 / len(samples)
-                  for s in passes]  # fmt: skip
-        for epoch in range(self.config.epochs):
+        for _ in range(self.config.epochs):
+            samples, scales = yield from feedback.samples_slices(self.engine.model, self.adapter)
+            passes = samples + anchors
+            if anchors:
+                scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
             results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
-            if epoch == 0 and self._hold_suspects(batch, [loss for loss, _ in results[: len(samples)]]):
-                return  # no update: the batch is trained again without them
             losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
+            by_objective = _mean_by_objective(samples, results)
             kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
             tokens += sum(len(s.response_ids) for s in samples)
             yield
@@ -255,41 +238,25 @@ class OnlineTrainer:
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
         yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
         yield
+        seqs = [entry.seq for entry, _ in batch]
         metrics = {
             "loss": losses[-1],
             "first_epoch_loss": losses[0],
-            "samples": len(samples),
+            "losses": by_objective,  # the last epoch's mean loss of each objective's samples
+            "samples": len(feedback),
+            "objectives": {"sft": len(feedback.sft), "kto": len(feedback.kto), "dpo": len(feedback.dpo)},
             "epochs": self.config.epochs,
             "response_tokens": tokens,
-            "seqs": [e.seq for e in batch],
+            "seqs": seqs,
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
         }
         state = self.trainer.optimizer.state_dict()
-        yield from self.checkpoints.save_slices(self.version, self.adapter, state, batch[-1].seq, metrics)
-        self.position = batch[-1].seq
-        self.quarantine.trained([e.seq for e in batch])
-
-    def _hold_suspects(self, batch: list[FeedbackEntry], losses: list[float]) -> bool:
-        """Quarantines the batch's samples whose loss the guard flags (released ones are exempt), drops the
-        gradients, and puts the others back to wait for the next batch; False if none is flagged."""
-        released = set(self.quarantine.released())
-        suspects = []
-        for kind, guard in self.guards.items():
-            checked = [(e, loss) for e, loss in zip(batch, losses, strict=True)
-                       if e.seq not in released and _guard_kind(e) == kind]  # fmt: skip
-            reasons = guard.check([loss for _, loss in checked])
-            suspects += [(e, loss, reason) for (e, loss), reason in zip(checked, reasons, strict=True) if reason]
-        if not suspects:
-            return False
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        for entry, loss, reason in suspects:
-            logger.warning("feedback %d (response %s) quarantined: %s", entry.seq, entry.response_id, reason)
-            self.quarantine.hold(entry, reason, loss)
-            self.stats.quarantined += 1
-        held = {e.seq for e, _, _ in suspects}
-        self._batch[:0] = [e for e in batch if e.seq not in held]
-        return True
+        position = self.log.settled_through(excluding=seqs)
+        yield from self.checkpoints.save_slices(self.version, self.adapter, state, position, metrics)
+        self.position = position
+        self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
+        self.queue.changed()
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
@@ -329,31 +296,26 @@ class OnlineTrainer:
     # --- rollback (any thread) -----------------------------------------------------------------------------------
 
     def rollback(self, version: int) -> int:
-        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number.
-
-        A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
-        its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
-        work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
-        kept = lambda: version == 0 or version in {v.version for v in self.checkpoints.versions()}
-        with self._idle:
-            if not kept():
+        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number."""
+        with self._lock:
+            if version != 0 and version not in {v.version for v in self.checkpoints.versions()}:
                 raise KeyError(version)
-            self._rollbacks_waiting += 1
-            try:
-                self._idle.wait_for(lambda: self._job is None)  # the step loop runs the batch's slices meanwhile
-            finally:
-                self._rollbacks_waiting -= 1
-            if not kept():  # the batch's checkpoint pushed it out (keep_versions)
-                raise KeyError(version)
-            self._batch.clear()  # entries read ahead, not trained: read again from the position, after the swap
-            self._read_position = self.position
+            self._abandon()
             if version == 0:
                 self._load_initial()
             else:
                 self._load(version)
-            self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
+            self.adapter.version = max(self.version, *(v.version for v in self.checkpoints.versions())) + 1
             self.engine.set_adapter(self.adapter, self.version)
             self.checkpoints.save(
                 self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
             )
             return self.version
+
+
+def _mean_by_objective(samples: list[Sample], results: list[tuple[float, bool]]) -> dict[str, float]:
+    """The mean loss of each objective's samples (a DPO pair's loss is on both of its samples)."""
+    by: dict[str, list[float]] = {}
+    for sample, (loss, _) in zip(samples, results, strict=False):  # results go on with the anchors
+        by.setdefault("sft" if sample.term is None else sample.term.kind, []).append(loss)
+    return {kind: sum(values) / len(values) for kind, values in by.items()}

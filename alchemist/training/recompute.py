@@ -11,7 +11,7 @@ import torch
 
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.llama import Adapter, Llama
-from alchemist.training.losses import Targets, response_loss
+from alchemist.training.losses import Targets, response_loss, sequence_logp
 
 
 def response_hidden(
@@ -66,12 +66,31 @@ def recompute_losses(
     model: Llama,
     adapter: Adapter | None,
     samples: Sequence[tuple[torch.Tensor, torch.Tensor, Targets | None]],
+    logp: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """The losses of several samples (prompt ids, response ids, targets: ``alchemist.training.losses``), from one
-    forward over all of them (``responses_hidden``)."""
+    forward over all of them (``responses_hidden``); where ``logp[i]``, sample i's sequence log-probability
+    instead (the value a preference objective takes)."""
     hidden = responses_hidden(model, adapter, [(prompt, response) for prompt, response, _ in samples])
-    return [response_loss(model, rows, response, targets)
-            for rows, (_, response, targets) in zip(hidden, samples, strict=True)]  # fmt: skip
+    logp = logp or [False] * len(samples)
+    return [sequence_logp(model, rows, response) if wants_logp else response_loss(model, rows, response, targets)
+            for rows, (_, response, targets), wants_logp in zip(hidden, samples, logp, strict=True)]  # fmt: skip
+
+
+@torch.no_grad()
+def sequence_logps_slices(
+    model: Llama, adapter: Adapter | None, pairs: Sequence[tuple[list[int], list[int]]], group_size: int = 4
+) -> Generator[None, None, list[float]]:
+    """log p(response | prompt) of each (prompt ids, response ids) under ``adapter`` (None: the base model), no
+    gradient: ``group_size`` pairs per forward, in slices of one layer."""
+    logps: list[float] = []
+    for start in range(0, len(pairs), group_size):
+        group = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device))
+                 for p, r in pairs[start : start + group_size]]  # fmt: skip
+        hidden = yield from responses_hidden_slices(model, adapter, group)
+        for rows, (_, response) in zip(hidden, group, strict=True):
+            logps.append(sequence_logp(model, rows, response).item())
+    return logps
 
 
 def recompute_loss(

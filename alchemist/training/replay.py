@@ -39,7 +39,8 @@ from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
 from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward_slices, prompt_kv
 from alchemist.training.live_attention import live_attention
-from alchemist.training.losses import Targets, response_loss
+from alchemist.training.losses import Targets, response_loss, sequence_logp
+from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.slices import run_to_end
 
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
@@ -50,7 +51,8 @@ class ReplaySample:
     """One sample of a replay: its prompt and response ids, its prompt's record layers (``record_layers(l)``:
     layer l's record for (at least) positions 0..P-2; ``walk_layers``, default the same, gives the walk its layers
     from the top, each once), its loss's scale, and ``targets`` for an anchor (the loss is then the KL to them
-    instead of the response's cross-entropy: ``alchemist.training.losses``)."""
+    instead of the response's cross-entropy: ``alchemist.training.losses``), or ``term`` for a preference
+objective's sample (``alchemist.training.objectives``)."""
 
     prompt_ids: torch.Tensor
     response_ids: torch.Tensor
@@ -58,6 +60,7 @@ class ReplaySample:
     walk_layers: RecordLayers | None = None
     loss_scale: float = 1.0
     targets: Targets | None = None
+    term: PreferenceTerm | None = None  # a preference objective's sample (its loss_scale is unused)
 
 
 def replay_backward(
@@ -100,12 +103,7 @@ def replay_backward_slices(
     # 2. Each sample's loss and its gradient at its live rows' final hidden states, a sample per slice: the LM head
     # over the live rows (and its backward) is the largest piece of work between two layers; all samples' at once
     # took up to 0.9 s (docs/profiles/online_slices.py). The rows are disjoint: the gradients are the same.
-    losses = []
-    for i, s in enumerate(samples):
-        yield
-        loss = response_loss(model, pack.live_rows(h_top, i), s.response_ids, s.targets)
-        (loss * s.loss_scale).backward()
-        losses.append(loss.item())
+    losses = yield from _top_backward_slices(model, samples, pack, h_top)
     yield
 
     # 3. Walk the layers from the top down, prompt and live rows together.
@@ -116,6 +114,37 @@ def replay_backward_slices(
         dh = yield from layer_backward_slices(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
         if layer:
             yield
+    return losses
+
+
+def _top_backward_slices(
+    model: Llama, samples: Sequence[ReplaySample], pack: Packing, h_top: torch.Tensor
+) -> Generator[None, None, list[float]]:
+    """The losses' gradients at the live rows' final hidden states (into ``h_top.grad``), a sample per slice;
+    returns each sample's loss. A preference sample's gradient depends on its and its pair's values: their sequence
+    log-probabilities are taken first without a graph, the objective's derivative with respect to each is its
+    scale (``objectives.preference_loss``), then its head runs again with the graph (memory over time: a graph of
+    log-probabilities over the vocabulary per sample would be kept otherwise)."""
+    losses: list[float] = [0.0] * len(samples)
+    values: dict[int, torch.Tensor] = {}
+    for i, s in enumerate(samples):
+        yield
+        rows = pack.live_rows(h_top, i)
+        if s.term is not None:
+            with torch.no_grad():
+                values[i] = sequence_logp(model, rows, s.response_ids)
+            continue
+        loss = response_loss(model, rows, s.response_ids, s.targets)
+        (loss * s.loss_scale).backward()
+        losses[i] = loss.item()
+    if values:
+        v = torch.stack(list(values.values())).requires_grad_()
+        objective, own = preference_loss(v, [samples[i].term for i in values])  # type: ignore[misc]
+        (scales,) = torch.autograd.grad(objective, v)
+        for (i, loss), scale in zip(zip(values, own, strict=True), scales.tolist(), strict=True):
+            yield
+            (sequence_logp(model, pack.live_rows(h_top, i), samples[i].response_ids) * scale).backward()
+            losses[i] = loss
     return losses
 
 

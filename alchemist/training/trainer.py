@@ -25,6 +25,7 @@ from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
+from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.recompute import recompute_losses
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import ReplaySample, replay_backward_slices
@@ -65,12 +66,19 @@ class TrainerConfig:
 @dataclass
 class Sample:
     """A prompt and the response to learn (served or corrected); ``record_id`` names the prompt's record.
-    With ``targets`` (an anchor) the loss is the KL to them on the response positions, not its cross-entropy."""
+    With ``targets`` (an anchor) the loss is the KL to them on the response positions, not its cross-entropy; with
+    ``term``, a preference objective's (``alchemist.training.objectives``)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     record_id: str | None = None
     targets: Targets | None = None
+    term: PreferenceTerm | None = None  # a preference objective's: its loss is the term's (its scale is unused)
+
+    @property
+    def pairs_with_next(self) -> bool:
+        """A DPO pair's chosen sample, with the rejected one right after it: the two are trained together."""
+        return self.term is not None and self.term.kind == "dpo" and self.term.desirable
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.response_ids:
@@ -170,12 +178,14 @@ class Trainer:
 
     def groups(self, samples: list[Sample]) -> list[slice]:
         """The batch cut into groups trained together: consecutive samples, at most ``group_size`` of them and
-        ``group_max_tokens`` rows (a sample with more rows is a group alone)."""
+        ``group_max_tokens`` rows (a sample with more rows is a group alone), never between the two samples of a
+        DPO pair (which may then exceed both)."""
         c = self.config
         groups, start, rows = [], 0, 0
         for i, sample in enumerate(samples):
             n = len(sample.prompt_ids) + len(sample.response_ids) - 1
-            if i > start and (i - start == c.group_size or (c.group_max_tokens and rows + n > c.group_max_tokens)):
+            full = i - start >= c.group_size or (c.group_max_tokens and rows + n > c.group_max_tokens)
+            if i > start and full and not samples[i - 1].pairs_with_next:
                 groups.append(slice(start, i))
                 start, rows = i, 0
             rows += n
@@ -196,6 +206,9 @@ class Trainer:
         self.stats.response_tokens += sum(len(s.response_ids) for s in samples)
         results: list[tuple[float, bool] | None] = [None] * len(samples)
         records = {i: record for i, s in enumerate(samples) if (record := self.usable_record(s)) is not None}
+        for i, s in enumerate(samples[:-1]):  # a DPO pair is replayed together or recomputed together
+            if s.pairs_with_next and (i in records) != (i + 1 in records):
+                self.store.release(records.pop(i if i in records else i + 1).record_id)  # type: ignore[union-attr]
         if records:
             replayed = yield from self._replay_group(samples, loss_scales, ids, records)
             for i, loss in (replayed or {}).items():
@@ -203,10 +216,20 @@ class Trainer:
         recompute = [i for i, result in enumerate(results) if result is None]
         if recompute:
             self.stats.recomputed += len(recompute)
-            losses = recompute_losses(self.model, self.adapter, [(*ids[i], samples[i].targets) for i in recompute])
-            sum(loss * loss_scales[i] for loss, i in zip(losses, recompute, strict=True)).backward()
-            for loss, i in zip(losses, recompute, strict=True):
-                results[i] = loss.item(), False
+            group = [(*ids[i], samples[i].targets) for i in recompute]
+            values = recompute_losses(self.model, self.adapter, group, [samples[i].term is not None for i in recompute])
+            linear = [(v, i) for v, i in zip(values, recompute, strict=True) if samples[i].term is None]
+            preferred = [(v, i) for v, i in zip(values, recompute, strict=True) if samples[i].term is not None]
+            total = sum(v * loss_scales[i] for v, i in linear)
+            for v, i in linear:
+                results[i] = v.item(), False
+            if preferred:
+                objective, own = preference_loss(torch.stack([v for v, _ in preferred]),
+                                                 [samples[i].term for _, i in preferred])  # type: ignore[misc]  # fmt: skip
+                total = total + objective
+                for (_, i), loss in zip(preferred, own, strict=True):
+                    results[i] = loss, False
+            total.backward()  # type: ignore[union-attr]
         return results  # type: ignore[return-value]
 
     def _replay_group(
@@ -231,7 +254,8 @@ class Trainer:
             if any(reader.tier == "disk" for reader in readers.values()):
                 kept = [None if p.grad is None else p.grad.clone() for p in self.adapter.parameters()]
             replay = [
-                ReplaySample(*ids[i], reader.forward_layer, reader.walk_layer, loss_scales[i], samples[i].targets)
+                ReplaySample(*ids[i], reader.forward_layer, reader.walk_layer, loss_scales[i], samples[i].targets,
+                             samples[i].term)  # fmt: skip
                 for i, reader in readers.items()
             ]
             losses = yield from _paused_timed(replay_backward_slices(self.model, self.adapter, replay), readers)

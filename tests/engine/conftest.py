@@ -29,3 +29,26 @@ def make_engine(tiny_model) -> Callable[..., LLMEngine]:
         return LLMEngine(tiny_model, char_tokenizer(eos_id), EngineConfig(**fields))
 
     return make
+
+
+TOPICS = [
+    "the history of Rome",
+    "how photosynthesis works",
+    "a recipe for bread",
+    "quantum computing",
+    "the French revolution",
+    "how to learn piano",
+    "black holes",
+    "machine learning",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm2) -> list[list[int]]:
+    """Eight chat prompts of 38 to 372 tokens on the real model (its exactness tests)."""
+    tok = smollm2.tokenizer
+    padding = "Please be detailed."
+    return [
+        tok.apply_chat_template([{"role": "user", "content": f"{' '.join([padding] * (12 * i))} Tell me about {t}."}])
+        for i, t in enumerate(TOPICS)
+    ]

@@ -53,8 +53,7 @@ def test_sampling_params_normalise():
         ("max_num_batched_tokens", 2.5),
         ("max_waiting", 0),
         ("enable_prefix_caching", 1),
-        ("compile", "yes"),
-        ("compile", True),  # not supported yet: refused, not ignored
+        ("compile_decode", "yes"),
     ],
 )
 def test_bad_engine_config(field, value):

@@ -181,3 +181,89 @@ def test_an_append_survives_sigkill_right_after_it_returns(tmp_path: Path):
         assert (entry.seq, entry.response_id, entry.response_token_ids) == (1, "killed", [3, 2])
     finally:
         log.close()
+
+
+def test_comment_metadata_and_a_client_id_are_kept(log: FeedbackLog):
+    meta = {"source": "langfuse", "trace": {"id": "t-1", "tags": ["a", "b"]}, "score": 0.5}
+    entry, created = log.append(**submission(comment="Too long.", metadata=meta, feedback_id="client-7"))
+    assert created and (entry.comment, entry.metadata, entry.feedback_id) == ("Too long.", meta, "client-7")
+    assert log.read() == [entry] and log.get(entry.seq) == entry and log.get(99) is None
+    assert log.find_feedback_id("client-7") == entry and log.find_feedback_id("client-8") is None
+    # The client's id is the key: a retry under it finds the entry, whatever else the log would hash.
+    again, created_again = log.append(**submission(comment="Too long.", metadata=meta, feedback_id="client-7"))
+    assert not created_again and again == entry
+    # Without an id, the same rating with another comment is other feedback; with neither, the old key.
+    other, created_other = log.append(**submission(comment="Fine."))
+    plain, created_plain = log.append(**submission())
+    assert created_other and created_plain and len({entry.seq, other.seq, plain.seq}) == 3
+    with pytest.raises(ValueError, match="metadata"):
+        log.append(**submission("x", metadata=["not", "an", "object"]))
+
+
+def test_states_settle_once_with_their_version_or_reason(log: FeedbackLog):
+    seqs = [log.append(**submission(f"r{i}"))[0].seq for i in range(4)]
+    assert {e.state for e in log.read()} == {"queued"} and log.queued_seqs() == [(s, "sft") for s in seqs]
+    assert log.mark_trained(seqs[:2], 7) == 2
+    assert log.mark_skipped(seqs[1:3], "too old") == 1  # seqs[1] is trained already: it stays so
+    assert log.mark_trained(seqs[:1], 9) == 0
+    with pytest.raises(ValueError, match="reason"):
+        log.mark_skipped(seqs[3:], "")
+    states = [(e.state, e.trained_version, e.skip_reason) for e in log.read()]
+    assert states == [("trained", 7, None), ("trained", 7, None), ("skipped", None, "too old"), ("queued", None, None)]
+    assert all((e.settled_s is None) == (e.state == "queued") for e in log.read())
+    assert log.queued_seqs() == [(seqs[3], "sft")] and log.queued_seqs(through_seq=seqs[2]) == []
+
+
+VERSION_1_TABLE = """
+CREATE TABLE feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, response_id TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('sft', 'negative', 'preference')), rating INTEGER CHECK (rating IN (1, -1)),
+    correction TEXT, preferred_over TEXT, prompt_token_ids BLOB NOT NULL, response_token_ids BLOB NOT NULL,
+    output_token_ids BLOB NOT NULL, rejected_token_ids BLOB, adapter_version INTEGER NOT NULL,
+    recorded INTEGER NOT NULL, created_s REAL NOT NULL
+)
+"""
+
+
+def test_a_version_1_file_is_migrated_and_keeps_its_entries(tmp_path: Path):
+    """A log written before comments, client ids and states (the table as the first release made it) opens: its
+    entries read back queued, a retry of one finds it, and new entries have every field."""
+    from alchemist.feedback.log import encode_ids, idempotency_key
+
+    path = tmp_path / "feedback.sqlite"
+    with sqlite3.connect(path) as old:
+        old.execute("PRAGMA journal_mode=WAL")
+        old.execute(VERSION_1_TABLE)
+        old.execute(
+            "INSERT INTO feedback VALUES (NULL, ?, 'chatcmpl-old', 'sft', 1, NULL, NULL, ?, ?, ?, NULL, 2, 1, 1.5)",
+            (idempotency_key("chatcmpl-old", 1, None, None), encode_ids([1, 2]), encode_ids([3]), encode_ids([3])),
+        )
+    log = FeedbackLog(path)
+    try:
+        [old_entry] = log.read()
+        assert (old_entry.seq, old_entry.response_id, old_entry.prompt_token_ids, old_entry.adapter_version) == (
+            1, "chatcmpl-old", [1, 2], 2
+        )  # fmt: skip
+        assert (old_entry.state, old_entry.comment, old_entry.metadata, old_entry.feedback_id) == (
+            "queued", None, None, None
+        )  # fmt: skip
+        retried, created = log.append(**submission("chatcmpl-old", prompt_token_ids=[1, 2]))
+        assert not created and retried == old_entry
+        new, _ = log.append(**submission("chatcmpl-new", comment="ok", feedback_id="c-1", metadata={"k": 1}))
+        assert new.seq == 2 and log.find_feedback_id("c-1") == new
+        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    finally:
+        log.close()
+    reopened = FeedbackLog(path)  # a migrated file opens again as it is
+    try:
+        assert [e.seq for e in reopened.read()] == [1, 2]
+    finally:
+        reopened.close()
+
+
+def test_a_file_from_a_newer_version_is_refused(tmp_path: Path):
+    path = tmp_path / "feedback.sqlite"
+    with sqlite3.connect(path) as newer:
+        newer.execute("PRAGMA user_version = 99")
+    with pytest.raises(ValueError, match="newer"):
+        FeedbackLog(path)

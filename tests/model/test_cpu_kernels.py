@@ -1,6 +1,7 @@
-"""Our CPU decode-attention kernel (``alchemist/model/csrc/decode_attention.cpp``) against fp64 attention of the
+"""Our CPU kernels. Decode attention (``alchemist/model/csrc/decode_attention.cpp``) against fp64 attention of the
 same cached values: bf16 and fp32 caches, head dims that take the AVX-512 path (multiples of 16) and the scalar one
-(8), grouped and plain heads, lengths from 1 to several hundred, rows in arbitrary slots."""
+(8), grouped and plain heads, lengths from 1 to several hundred, rows in arbitrary slots. The packed linear op
+(``csrc/packed_linear.cpp``) against oneDNN's, bitwise."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def test_decode_attention_kernel_rejects_what_it_cannot_read():
         op(q, kv, kv, cache, cache.clone(), torch.tensor([2]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
         op(q.bfloat16(), kv, kv, cache, cache.clone(), torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_op_is_onednns_packed_linear(bias):
+    from alchemist.engine.packed_ops import onednn_packs_bf16, pack, packed_linear
+
+    op = cpu_kernels.packed_linear_op()
+    assert op is not None, "the kernels must build on the machines CI runs on"
+    assert onednn_packs_bf16(), "the machines CI runs on (AVX-512) pack bf16 weights"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    packed = pack(w)
+    assert torch.equal(op(x, packed, b, 96), packed_linear(x, packed, b))

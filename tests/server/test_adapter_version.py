@@ -3,6 +3,8 @@ training off, the version that training left serves."""
 
 from __future__ import annotations
 
+import json
+
 from fastapi.testclient import TestClient
 
 from alchemist.config import EngineConfig, OnlineConfig, ServerConfig
@@ -40,3 +42,22 @@ def test_without_training_the_last_checkpointed_version_serves(smollm2, tmp_path
     assert listing["serving_version"] == 5 and not listing["training"]
     assert [v["version"] for v in listing["data"]] == [5, 2] and listing["data"][0]["serving"]
     assert rollback.status_code == 400 and "--no-train" in rollback.json()["error"]["message"]
+
+
+def test_responses_name_the_adapter_version_that_wrote_them(smollm2, tmp_path):
+    """system_fingerprint is "alchemist-v<N>" in chat and text completions, streamed (every chunk) or not."""
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
+    engine.set_adapter(LoraAdapter(smollm2.model.config, seed=0), 3)
+    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)), online_config=OnlineConfig(enabled=False))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    text = {"model": "m", "prompt": "Hi", "max_tokens": 3}
+    with TestClient(app) as http:
+        bodies = [http.post("/v1/chat/completions", json=chat).json(), http.post("/v1/completions", json=text).json()]
+        streams = [
+            http.post(path, json={**body, "stream": True}).text
+            for path, body in (("/v1/chat/completions", chat), ("/v1/completions", text))
+        ]
+    assert [b["system_fingerprint"] for b in bodies] == ["alchemist-v3", "alchemist-v3"]
+    for stream in streams:
+        chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+        assert len(chunks) >= 3 and all(c["system_fingerprint"] == "alchemist-v3" for c in chunks)

@@ -130,7 +130,13 @@ def served_ids(server) -> dict[str, str]:
         ({"response_id": "{response}", "rating": True}, 400, "rating"),
         ({"response_id": "{response}", "rating": 1.0}, 400, "rating"),
         ({"response_id": "{response}"}, 400, None),  # says nothing
-        ({"response_id": "{response}", "rating": 1, "comment": "nice"}, 400, "comment"),  # unknown field
+        ({"response_id": "{response}", "rating": 1, "score": 0.9}, 400, "score"),  # unknown field
+        ({"response_id": "{response}", "rating": 1, "comment": "x" * 10_001}, 400, "comment"),
+        ({"response_id": "{response}", "rating": 1, "comment": 3}, 400, "comment"),
+        ({"response_id": "{response}", "rating": 1, "metadata": ["a"]}, 400, "metadata"),
+        ({"response_id": "{response}", "rating": 1, "metadata": {"k": "v" * 16_400}}, 400, "metadata"),
+        ({"response_id": "{response}", "rating": 1, "feedback_id": "fb-12"}, 400, "feedback_id"),
+        ({"response_id": "{response}", "rating": 1, "feedback_id": ""}, 400, "feedback_id"),
         ({"rating": 1}, 400, "response_id"),
         ({"response_id": "", "rating": 1}, 400, "response_id"),
         ({"response_id": 7, "rating": 1}, 400, "response_id"),
@@ -175,3 +181,76 @@ def test_expired_responses_are_404_but_a_logged_submission_still_answers(smollm2
         assert retried.status_code == 200 and retried.json() == logged.json() | {"created": False}
     assert app.state.feedback_log.last_seq() == 1
     assert (tmp_path / "feedback.sqlite").exists()
+
+
+def get_feedback(server, feedback_id: str) -> httpx.Response:
+    return httpx.get(f"{server.base_url}{FEEDBACK}/{feedback_id}", timeout=30)
+
+
+def test_comment_metadata_and_client_id_are_kept_and_shown(server):
+    served = chat(server, max_tokens=4)
+    meta = {"source": "open-webui", "chat_id": "c-42", "tags": ["geo"], "nested": {"ok": True}}
+    body = {"response_id": served.id, "rating": -1, "comment": "Wrong city.", "metadata": meta,
+            "feedback_id": f"ui-{served.id}"}  # fmt: skip
+    posted = post_feedback(server, body)
+    assert posted.status_code == 200, posted.text
+    answer = posted.json()
+    seq = int(answer["id"].removeprefix("fb-"))
+    shown = {"id": f"fb-{seq}", "object": "feedback", "response_id": served.id, "kind": "negative", "rating": -1,
+             "comment": "Wrong city.", "metadata": meta, "feedback_id": body["feedback_id"], "state": "queued",
+             "trained_version": None, "skip_reason": None}  # fmt: skip
+    assert answer == shown | {"created": True, "created_at": answer["created_at"]}
+    assert abs(answer["created_at"] - time.time()) < 60
+    # GET by the server's id and by the client's: the same entry (this server does not train: it stays queued).
+    for key in (answer["id"], body["feedback_id"]):
+        got = get_feedback(server, key)
+        assert got.status_code == 200 and got.json() == shown | {"created_at": answer["created_at"]}
+    row = log_rows(server)[-1]
+    assert (row["seq"], row["comment"], row["feedback_id"], row["state"]) == (seq, "Wrong city.", body["feedback_id"],
+                                                                               "queued")  # fmt: skip
+    # A retry under the client's id is that entry; other content under it is a conflict; nothing more is written.
+    before = len(log_rows(server))
+    again = post_feedback(server, body)
+    assert again.status_code == 200 and again.json() == answer | {"created": False}
+    conflict = post_feedback(server, body | {"comment": "Wrong country."})
+    error = assert_openai_error(conflict, 409, "feedback_id")
+    assert error["code"] == "feedback_id_conflict" and answer["id"] in error["message"]
+    assert len(log_rows(server)) == before
+
+
+def test_feedback_without_the_new_fields_shows_them_empty(server):
+    served = chat(server, max_tokens=3)
+    answer = post_feedback(server, {"response_id": served.id, "rating": 1}).json()
+    got = get_feedback(server, answer["id"]).json()
+    assert (got["comment"], got["metadata"], got["feedback_id"], got["state"]) == (None, None, None, "queued")
+    assert got == {k: v for k, v in answer.items() if k != "created"}
+
+
+@pytest.mark.parametrize("key", ["fb-999999", "never-sent", "fb-x"])
+def test_unknown_feedback_is_404(server, key):
+    error = assert_openai_error(get_feedback(server, key), 404, "id")
+    assert error["code"] == "feedback_not_found"
+
+
+def test_the_list_pages_through_entries_and_shows_the_backlog(server):
+    """This server does not train: everything stays queued, and the backlog counts it by class."""
+    served = [chat(server, [{"role": "user", "content": f"Count to {i}."}], max_tokens=2) for i in range(3)]
+    ids = [post_feedback(server, {"response_id": s.id, "rating": 1}).json()["id"] for s in served]
+    everything = httpx.get(server.base_url + FEEDBACK, params={"limit": 1000}, timeout=30).json()
+    assert everything["object"] == "list" and not everything["has_more"]
+    assert [e["id"] for e in everything["data"]][-3:] == ids
+    assert everything["backlog"]["thumbs_up"]["count"] == sum(
+        e["state"] == "queued" and e["kind"] == "sft" and e["rating"] == 1 for e in everything["data"]
+    )  # fmt: skip
+    assert set(everything["backlog"]) == {"correction", "thumbs_up", "thumbs_down", "preference"}
+    after = int(ids[0].removeprefix("fb-")) - 1
+    page = httpx.get(server.base_url + FEEDBACK, params={"after": f"fb-{after}", "limit": 2, "state": "queued"},
+                     timeout=30).json()  # fmt: skip
+    assert [e["id"] for e in page["data"]] == ids[:2] and page["has_more"]
+    assert httpx.get(server.base_url + FEEDBACK, params={"state": "trained"}, timeout=30).json()["data"] == []
+
+
+@pytest.mark.parametrize("params, param", [({"state": "done"}, "state"), ({"after": "x"}, "after"),
+                                           ({"limit": 0}, "limit"), ({"limit": 1001}, "limit")])  # fmt: skip
+def test_bad_list_queries_are_400(server, params, param):
+    assert_openai_error(httpx.get(server.base_url + FEEDBACK, params=params, timeout=30), 400, param)

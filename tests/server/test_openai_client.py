@@ -44,6 +44,9 @@ def test_chat_streaming_matches_non_streaming(client):
     text, chunks = stream_chat(client, stream_options={"include_usage": True})
     assert text == expected.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
+    # The adapter version that wrote it (no training on this server: the base model, v0), in every chunk too.
+    assert expected.system_fingerprint == "alchemist-v0"
+    assert all(c.system_fingerprint == "alchemist-v0" for c in chunks)
     assert all(c.id == chunks[0].id and c.id.startswith("chatcmpl-") for c in chunks)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

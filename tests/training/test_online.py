@@ -15,6 +15,7 @@ from alchemist.config import OnlineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.feedback_queue import EMPTY
 from alchemist.training.online import OnlineTrainer
 from tests.engine.helpers import random_prompts, run_to_end
 
@@ -69,6 +70,8 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
     assert [v.version for v in versions] == [2, 4, 6]  # two epochs = two optimizer steps per batch
     assert versions[-1].log_position == seqs[-1] == trainer.position
     assert engine.adapter_version == 6
+    states = [(e.state, e.trained_version) for e in log.read()]
+    assert states == [("trained", 2), ("trained", 2), ("trained", 4), ("trained", 4), ("trained", 6)]
     # The records were made with the base adapter (version 0); max_staleness (4) lets every pass replay while the
     # adapter is at versions 0..4: the first batch at 0 and 1, the second at 2 and 3, the last at 4, then stale.
     assert (trainer.stats.replayed, trainer.stats.recomputed) == (9, 1)
@@ -103,6 +106,30 @@ def test_restart_resumes_exactly_where_the_checkpoint_is(engine, tmp_path):
     assert resumed.trainer.optimizer.state_dict()["state"].keys() == optimizer_state["state"].keys()
     drain(resumed)
     assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs[:2], seqs[2:4]]
+
+
+def test_restart_settles_what_the_checkpoints_trained_and_a_version_1_log_passed(engine, tmp_path):
+    """The log is told after each checkpoint: a crash in between leaves the batch queued in the log, and restore
+    settles it from the checkpoint. Entries at or before the checkpointed position that no kept checkpoint names
+    (a log from before states were kept, or versions no longer kept) were trained ("sft") by a version gone."""
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 2)
+    ids = dict(prompt_token_ids=[1, 2], response_token_ids=[], output_token_ids=[])  # nothing to learn
+    negative, _ = log.append(response_id="neg", kind="negative", rating=-1, adapter_version=0, recorded=False, **ids)
+    seqs += serve_and_log(engine, log, 2, seed=1)
+    drain(trainer)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()] == [seqs[:2], seqs[2:4]]
+    assert (log.get(negative.seq).state, log.get(negative.seq).skip_reason) == ("skipped", EMPTY)
+    # Forget the states, as a crash right after the checkpoint, or a version-1 log, would have them ...
+    log._conn.execute("UPDATE feedback SET state = 'queued', trained_version = NULL, skip_reason = NULL")
+    checkpoints._discard(checkpoints.versions()[0].path)  # ... and the first batch's version is no longer kept
+    online(engine, tmp_path)  # restore
+    settled = {e.seq: (e.state, e.trained_version, e.skip_reason) for e in log.read()}
+    assert [settled[s] for s in seqs] == [("trained", None, None)] * 2 + [("trained", 4, None)] * 2
+    assert settled[negative.seq] == ("queued", None, None)  # after the position: the queue settles it again
+    restored, _, _ = online(engine, tmp_path)
+    assert not restored.has_work()
+    assert (log.get(negative.seq).state, log.get(negative.seq).skip_reason) == ("skipped", EMPTY)
 
 
 def test_a_failing_batch_is_trained_again_from_the_checkpoint(engine, tmp_path):

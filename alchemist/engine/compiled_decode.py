@@ -1,0 +1,176 @@
+"""The decode step compiled with ``torch.compile``: each layer of an all-decode batch as one inductor graph.
+
+    decode = CompiledDecode.create(model, cache, config)      # None where it does not apply
+    hidden = decode.forward(input_ids, positions, slots, ops)  # (B,) each -> (B, d), keys/values written
+
+A decode step runs 30 layers of small ops on B rows: besides the linears and attention, about ten elementwise ops
+per layer (RMSNorm in fp32 and back, RoPE, SiLU-mul, residual adds), each a kernel launch and a memory pass. Here
+one function holds a layer's decode math with everything passed in as tensors (hidden rows, RoPE cos/sin, slots,
+positions, the layer's weights and cache), so inductor fuses the glue into a few C++ loops between the opaque
+linears (``alchemist::packed_linear``, ``csrc/packed_linear.cpp``, over oneDNN-packed bf16 weights, or ``F.linear``
+in fp32) and our decode
+kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the cache in place).
+
+Note: [One graph per layer, not per step] Every layer has the same shapes, so the layer function compiles once and
+serves all of them, in seconds; a whole step traced as one graph (30 layers unrolled) took 40-80 s per batch size
+to compile here and gained little more at batch 32 (docs/benchmarks.md, "Compiled decode step"). The batch
+dimension is dynamic after the first two sizes (dynamo's automatic dynamic shapes): warm-up compiles batch 1 and
+batch 2, and every other batch size reuses the second graph, so no batch is padded to a bucket. Weights are graph
+inputs, not constants, so a newly merged adapter serves without recompiling. inductor's cache lives in
+``$ALCHEMIST_CACHE/inductor``: a second start loads its C++ kernels instead of building them.
+
+It applies to forwards that add no separate adapter delta and record nothing (every decode step but those right
+after a swap whose merge is not complete), on a CPU where our decode kernel runs: ``EngineConfig.compile_decode``.
+fp32 greedy tokens equal the eager path's (tests/engine/test_compiled_decode.py); in bf16 inductor keeps some
+intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from alchemist.model import cpu_kernels
+from alchemist.model.attention import KVCache, decode_kernel_applies
+from alchemist.model.gguf import default_cache_dir
+from alchemist.model.llama import Llama, rms_norm
+from alchemist.model.rope import Rotation, apply_rotary
+from alchemist.model.seam import LINEAR_NAMES
+
+
+class LayerWeights(NamedTuple):
+    """One layer's weights as the compiled layer takes them; the projections in the ops object's layout (packed for
+    oneDNN, merged with the served adapter)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The model's sizes, constants of the compiled graph."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    eps: float
+    packed: bool  # projections are oneDNN-packed (opaque op) rather than plain weights (F.linear)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: int, s: LayerShape) -> torch.Tensor:
+    # The packed linear as our opaque op (csrc/packed_linear.cpp): inductor lowers oneDNN's only for frozen weights.
+    return torch.ops.alchemist.packed_linear(x, weight, bias, out) if s.packed else F.linear(x, weight, bias)
+
+
+def decode_layer(
+    h: torch.Tensor,
+    rot: Rotation,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    s: LayerShape,
+) -> torch.Tensor:
+    """``Llama.layer_forward`` for B decode rows, h (B, d) -> (B, d): the same math, written over tensors only."""
+    x = rms_norm(h, w.input_norm, s.eps)
+    qkv = _linear(x, w.qkv, w.qkv_bias, s.q_size + 2 * s.kv_size, s)
+    q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+    q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), rot)
+    k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), rot)
+    v = v.view(-1, s.num_kv_heads, s.head_dim)
+    attn = torch.ops.alchemist.decode_attention(q, k, v, k_cache, v_cache, slots, positions, s.head_dim**-0.5)
+    h = h + _linear(attn.flatten(-2), w.o, None, s.hidden_size, s)
+    x = rms_norm(h, w.post_norm, s.eps)
+    gate, up = _linear(x, w.gate_up, None, 2 * s.intermediate_size, s).chunk(2, dim=-1)
+    return h + _linear(F.silu(gate) * up, w.down, None, s.hidden_size, s)
+
+
+_compiled_layer = torch.compile(decode_layer, fullgraph=True)
+
+
+def compiled_decode_supported(cache: KVCache) -> bool:
+    """Where the compiled step can run: a CPU cache in bf16 or fp32 and our decode kernel built."""
+    k = cache.k[0]
+    cpu = k.device.type == "cpu" and k.dtype in (torch.bfloat16, torch.float32)
+    return cpu and cpu_kernels.decode_attention_op() is not None and cpu_kernels.packed_linear_op() is not None
+
+
+def compiled_decode_applies(cache: KVCache, setting: bool | None) -> bool:
+    """``EngineConfig.compile_decode``: None (the default) compiles where it was measured faster, a bf16 cache whose
+    eager decode already runs our kernel (``decode_kernel_applies``); True wherever it can run (fp32 included: the
+    exactness tests); False never (``--enforce-eager``)."""
+    if setting is False or not compiled_decode_supported(cache):
+        return False
+    return setting is True or decode_kernel_applies(cache.k[0])
+
+
+class CompiledDecode:
+    def __init__(self, model: Llama, cache: KVCache, packed: bool) -> None:
+        c = model.config
+        self.model, self.cache = model, cache
+        self.shape = LayerShape(
+            c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps, packed
+        )
+        self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
+        self.num_steps = 0  # decode steps run compiled (tests, profiles)
+
+    @classmethod
+    def create(cls, model: Llama, cache: KVCache, setting: bool | None, packed: bool) -> CompiledDecode | None:
+        if not compiled_decode_applies(cache, setting):
+            return None
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
+        return cls(model, cache, packed)
+
+    def weights(self, ops) -> list[LayerWeights]:
+        """Each layer's weights as ``ops`` projects with them (``Ops.linear_weight``), built once per ops object."""
+        if self._weights_of is None or self._weights_of[0] is not ops:
+            self._weights_of = (ops, [self._layer_weights(ops, i) for i in range(len(self.model.layers))])
+        return self._weights_of[1]
+
+    def _layer_weights(self, ops, i: int) -> LayerWeights:
+        layer = self.model.layers[i]
+        proj = {name: ops.linear_weight(i, name, getattr(layer, f"{name}_weight")) for name in LINEAR_NAMES}
+        weights = (layer.input_norm, proj["qkv"], layer.qkv_bias, proj["o"], layer.post_norm, proj["gate_up"])
+        # Plain tensors all: the graph guards on each input's type, and a merged weight is no Parameter.
+        return LayerWeights(*(None if w is None else w.detach() for w in (*weights, proj["down"])))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, max_position: int, ops
+    ) -> torch.Tensor:
+        """B decode rows (token, position, slot each, (B,) int64) through every layer -> final hidden (B, d)."""
+        model = self.model
+        h = F.embedding(input_ids, model.embed)
+        rot = model.rope(positions, h.dtype, max_position)
+        for i, w in enumerate(self.weights(ops)):
+            h = _compiled_layer(h, rot, slots, positions, w, self.cache.k[i], self.cache.v[i], self.shape)
+        self.num_steps += 1
+        return h
+
+    @torch.inference_mode()
+    def warm_up(self, ops) -> None:
+        """Compiles before serving: batch 1, then batch 2, whose recompile makes the batch dimension dynamic (every
+        later size reuses it). Writes position 0 of slots 0 and 1, which nothing holds yet."""
+        for batch in (1, 2):
+            zeros = torch.zeros(batch, dtype=torch.long, device=self.model.device)
+            slots = torch.arange(batch, device=zeros.device) % self.cache.num_slots
+            self.forward(zeros, zeros, slots, 0, ops)

@@ -1,0 +1,104 @@
+"""A mini-batch of feedback as the samples of one optimizer step: corrections by SFT, ratings by KTO, preference
+pairs by DPO, in one loss.
+
+    batch = FeedbackBatch(items, ObjectiveWeights())
+    yield from batch.references_slices(model)                          # once: the base model's log-probabilities
+    samples, scales = yield from batch.samples_slices(model, adapter)  # each step: KTO's z0 under this adapter
+
+The step's loss is ``sft x mean(SFT losses) + kto x mean(KTO losses) + dpo x mean(DPO pair losses)`` (the means
+over the batch's samples of each objective, as TRL's trainers take them; ``alchemist.training.objectives``).
+The reference log-probabilities (the base model's, adapter off) never change, so they are computed once per batch
+however many epochs train it; KTO's reference point z0 is estimated again before each step, from the batch's
+mismatched pairs under the adapter of that step (TRL does so every step too). Both are forward passes without
+gradient, recomputed (a mismatched pair has no record; the base model's pass could replay a record made by the
+base model, which is not done yet). The gradient passes replay like any sample's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from alchemist.model.llama import Llama
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.objectives import PreferenceTerm, kto_kl, mismatched
+from alchemist.training.recompute import sequence_logps_slices
+from alchemist.training.trainer import Sample
+
+
+@dataclass(frozen=True)
+class ObjectiveWeights:
+    sft: float = 1.0  # weight of the SFT loss (corrections) in a step's loss
+    kto: float = 1.0  # ... of the KTO loss (ratings without a correction)
+    dpo: float = 1.0  # ... of the DPO loss (preference pairs)
+    kto_beta: float = 0.1
+    dpo_beta: float = 0.1
+    desirable: float = 1.0  # KTO's desirable_weight
+    undesirable: float = 1.0  # KTO's undesirable_weight
+
+
+@dataclass(frozen=True)
+class Item:
+    """One piece of feedback to learn: a prompt, a response, and the objective that learns it."""
+
+    objective: Literal["sft", "kto", "dpo"]
+    prompt_ids: list[int]
+    response_ids: list[int]  # SFT: what to learn; KTO: the rated response; DPO: the chosen one
+    record_id: str | None = None  # the prompt's record, if one was made
+    desirable: bool = True  # KTO: a thumbs-up (True) or a thumbs-down
+    rejected_ids: list[int] | None = None  # DPO: the rejected response
+
+
+class FeedbackBatch:
+    def __init__(self, items: list[Item], weights: ObjectiveWeights, group_size: int = 4) -> None:
+        self.weights = weights
+        self.group_size = group_size
+        self.sft = [i for i in items if i.objective == "sft"]
+        self.kto = [i for i in items if i.objective == "kto"]
+        self.dpo = [i for i in items if i.objective == "dpo"]
+        # KTO's mismatched pairs: prompt j with the completion of the KTO item before it (TRL's rotation)
+        self.kl_pairs = [(item.prompt_ids, self.kto[k].response_ids)
+                         for item, k in zip(self.kto, mismatched(range(len(self.kto))), strict=True)]  # fmt: skip
+        self._ref: list[float] | None = None  # base log-probs: KTO responses, DPO chosen + rejected, KL pairs
+
+    def __len__(self) -> int:
+        return len(self.sft) + len(self.kto) + 2 * len(self.dpo)
+
+    def references_slices(self, model: Llama) -> Generator[None, None, None]:
+        """The base model's log-probabilities of every preference response (and of KTO's mismatched pairs)."""
+        pairs = [(i.prompt_ids, i.response_ids) for i in self.kto]
+        pairs += [(i.prompt_ids, r) for i in self.dpo for r in (i.response_ids, i.rejected_ids or [])]
+        self._ref = yield from sequence_logps_slices(model, None, pairs + self.kl_pairs, self.group_size)
+
+    def samples_slices(
+        self, model: Llama, adapter: LoraAdapter
+    ) -> Generator[None, None, tuple[list[Sample], list[float]]]:
+        """The step's samples (SFT, then KTO, then DPO pairs: chosen, rejected) and their loss scales, KTO's z0
+        estimated under ``adapter`` as it is now."""
+        if self._ref is None:
+            yield from self.references_slices(model)
+        assert self._ref is not None
+        w, n_kto = self.weights, len(self.kto)
+        n_dpo = 2 * len(self.dpo)
+        ref_kto, ref_dpo, ref_kl = self._ref[:n_kto], self._ref[n_kto : n_kto + n_dpo], self._ref[n_kto + n_dpo :]
+        samples = [Sample(i.prompt_ids, i.response_ids, i.record_id) for i in self.sft]
+        scales = [w.sft / max(len(self.sft), 1)] * len(self.sft)
+        if self.kto:
+            policy_kl = yield from sequence_logps_slices(model, adapter, self.kl_pairs, self.group_size)
+            z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl))
+            for item, ref in zip(self.kto, ref_kto, strict=True):
+                weight = w.kto * (w.desirable if item.desirable else w.undesirable) / n_kto
+                term = PreferenceTerm("kto", ref, weight, w.kto_beta, item.desirable, kl=z0.item())
+                samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=term))
+        for pair, item in enumerate(self.dpo):
+            assert item.rejected_ids is not None
+            weight = w.dpo / len(self.dpo)
+            chosen = PreferenceTerm("dpo", ref_dpo[2 * pair], weight, w.dpo_beta, True, pair=pair)
+            rejected = PreferenceTerm("dpo", ref_dpo[2 * pair + 1], weight, w.dpo_beta, False, pair=pair)
+            samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=chosen))
+            samples.append(Sample(item.prompt_ids, item.rejected_ids, item.record_id, term=rejected))
+        scales += [0.0] * (len(samples) - len(scales))  # a preference sample's weight is in its term
+        return samples, scales
