@@ -161,6 +161,7 @@ def _info(entry: FeedbackEntry) -> p.FeedbackInfo:
         state=entry.state,
         trained_version=entry.trained_version,
         skip_reason=entry.skip_reason,
+        quarantine_reason=entry.quarantine_reason,
     )
 
 

@@ -3,25 +3,27 @@ in quarantine, visible and releasable by an admin (GET /v1/quarantine, POST /v1/
 
     guard = LossGuard(spike_factor=4.0, warmup=8)
     reasons = guard.check([1.9, float("nan"), 14.2])   # [None, "loss is nan", "loss 14.2 > 4 x the running level 2"]
-    quarantine = Quarantine(data_dir / "quarantine.json")
-    quarantine.hold(entry, reason, loss); quarantine.release([seq]); quarantine.trained([seq])
+    quarantine = Quarantine(feedback_log)
+    quarantine.hold(entry, reason, loss); quarantine.release([seq]); quarantine.list()
 
 Why per sample and before the update: a correction that teaches garbage (or a NaN from a broken record) shows as
 one sample's loss far above its peers', on the weights it is about to change; the batch is trained again without
-it. The file is small JSON, replaced atomically; a held entry stays out of training across restarts, a released
-one is trained (unchecked: an admin vouched for it) and forgotten once a checkpoint includes it.
+it. Held is a state of the entry in the feedback log (the trainer's queue): it stays out of training across
+restarts, and the trainer's position moves past it (settled for now). A released entry is queued again, first in
+line, and trained unchecked (an admin vouched for it); it leaves the list once trained.
+
+Which objectives are guarded: SFT samples, with a level per kind (corrections, and served answers rated 1 trained
+by SFT, whose loss is far lower), since a correction is text anyone can send. KTO and DPO samples are checked for
+NaN/inf only: their responses are the model's own served outputs (nothing foreign to poison with), and their
+losses are bounded sigmoids of the adapter's drift from the base model, not a measure of how odd the text is.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import threading
-import time
-from pathlib import Path
+from collections.abc import Callable
 
-from alchemist.feedback.log import FeedbackEntry
+from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 
 
 class LossGuard:
@@ -55,59 +57,46 @@ class LossGuard:
 
 
 class Quarantine:
-    """Held and released feedback entries by log seq, persisted in one JSON file. Thread-safe."""
+    """The held entries are the feedback log's "quarantined" ones (a state, so a restart keeps them held and
+    GET /v1/feedback/{id} shows it); this is the trainer's and the admin endpoints' view of them. Thread-safe."""
 
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._entries: dict[int, dict] = {}
-        if self.path.exists():
-            self._entries = {int(k): v for k, v in json.loads(self.path.read_text()).items()}
+    def __init__(self, log: FeedbackLog, on_release: Callable[[], None] = lambda: None):
+        self.log = log
+        self.on_release = on_release  # the trainer's queue reads the log again: released entries train next
 
-    def hold(self, entry: FeedbackEntry, reason: str, loss: float) -> None:
-        with self._lock:
-            self._entries[entry.seq] = {
-                "seq": entry.seq,
-                "response_id": entry.response_id,
-                "reason": reason,
-                "loss": loss if math.isfinite(loss) else str(loss),
-                "held_at": time.time(),
-                "released": False,
-            }
-            self._save()
+    def hold(self, entry: FeedbackEntry, reason: str, loss: float) -> bool:
+        """False if the entry was no longer queued (settled meanwhile)."""
+        return self.log.mark_quarantined(entry.seq, reason, loss)
 
     def is_held(self, seq: int) -> bool:
-        with self._lock:
-            entry = self._entries.get(seq)
-            return entry is not None and not entry["released"]
+        entry = self.log.get(seq)
+        return entry is not None and entry.state == "quarantined"
 
     def release(self, seqs: list[int]) -> list[int]:
-        """Marks held entries released (to be trained); returns those that were held."""
-        with self._lock:
-            released = [s for s in seqs if s in self._entries and not self._entries[s]["released"]]
-            for seq in released:
-                self._entries[seq]["released"] = True
-            self._save()
-            return released
-
-    def released(self) -> list[int]:
-        with self._lock:
-            return sorted(s for s, e in self._entries.items() if e["released"])
-
-    def trained(self, seqs: list[int]) -> None:
-        """Released entries that a checkpoint now includes are forgotten."""
-        with self._lock:
-            done = [s for s in seqs if s in self._entries and self._entries[s]["released"]]
-            for seq in done:
-                del self._entries[seq]
-            if done:
-                self._save()
+        """Held entries among ``seqs`` go back to the queue, first in line and exempt from the guard; returns
+        those that were held."""
+        released = self.log.release(seqs)
+        if released:
+            self.on_release()
+        return released
 
     def list(self) -> list[dict]:
-        with self._lock:
-            return [dict(e) for _, e in sorted(self._entries.items())]
+        """Held entries, and released ones not trained yet."""
+        return [
+            {
+                "seq": e.seq,
+                "response_id": e.response_id,
+                "reason": e.quarantine_reason,
+                "loss": _json_loss(e.quarantine_loss),
+                "held_at": e.quarantined_s,
+                "released": e.released_s is not None,
+            }
+            for e in self.log.quarantined()
+        ]
 
-    def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(k): v for k, v in self._entries.items()}))
-        os.replace(tmp, self.path)
+
+def _json_loss(loss: float | None) -> float | str:
+    """JSON has no NaN or inf: those are named (SQLite keeps NaN as NULL)."""
+    if loss is None:
+        return "nan"
+    return loss if math.isfinite(loss) else str(loss)

@@ -228,3 +228,36 @@ def test_rollbacks_faster_than_a_batch_do_not_stall_training(engine, tmp_path):
         hammer.join()
     trained = [v.metrics["seqs"] for v in checkpoints.versions() if "seqs" in v.metrics]
     assert trained == [seqs[0:2], seqs[2:4], seqs[4:6]]
+
+
+def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(engine, tmp_path):
+    """The poisoning guard on the queue: a correction whose loss spikes (its level set far below any loss) is
+    quarantined in the log before the update, the rest of its batch (served answers rated 1, another level) trains
+    without it, the position moves past it, it stays held across a restart, and once released it trains next,
+    unchecked."""
+    trainer, log, checkpoints = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    prompts = random_prompts([12, 15, 18], seed=3)
+    ids = dict(output_token_ids=[5, 6], adapter_version=0, recorded=False)
+    rated = [log.append(response_id=f"u{i}", kind="sft", rating=1, prompt_token_ids=p, response_token_ids=[5, 6],
+                        **ids)[0].seq for i, p in enumerate(prompts[:2])]  # fmt: skip
+    poison, _ = log.append(response_id="c", kind="sft", correction="?", prompt_token_ids=prompts[2],
+                           response_token_ids=[9, 9, 9], **ids)  # fmt: skip
+    guard = trainer.guards["correction"]
+    guard.level, guard.seen = 1e-6, guard.warmup  # every correction's loss is a spike now; answers rated 1 are not
+    drain(trainer)
+    held = log.get(poison.seq)
+    assert (held.state, held.quarantine_reason.split(" >")[0]) == ("quarantined", f"loss {held.quarantine_loss:.3g}")
+    [version] = checkpoints.versions()
+    assert version.metrics["seqs"] == rated and version.metrics["objectives"]["sft"] == 2
+    assert version.log_position == poison.seq == trainer.position  # held: settled for now
+    assert trainer.stats.quarantined == 1 and all(p.grad is None for p in trainer.adapter.parameters())
+
+    restarted, _, _ = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    guard = restarted.guards["correction"]
+    guard.level, guard.seen = 1e-6, guard.warmup
+    assert not restarted.has_work() and restarted.quarantine.is_held(poison.seq)
+    assert restarted.quarantine.release([poison.seq]) == [poison.seq]
+    assert restarted.quarantine.list()[0]["released"]
+    drain(restarted)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()][-1] == [poison.seq]  # exempt from the guard
+    assert log.get(poison.seq).state == "trained" and restarted.quarantine.list() == []

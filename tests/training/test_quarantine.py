@@ -1,4 +1,5 @@
-"""The poisoning guard's parts: which losses it flags, and the quarantine file across restarts."""
+"""The poisoning guard's parts: which losses it flags, and held entries (a state of the feedback log's entry)
+across restarts."""
 
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ def test_held_entries_stay_held_across_restarts_until_released_and_trained(tmp_p
         response_id="r", kind="sft", rating=None, correction="x", preferred_over=None, prompt_token_ids=[1],
         response_token_ids=[2], output_token_ids=[3], rejected_token_ids=None, adapter_version=0, recorded=False,
     )  # fmt: skip
-    quarantine = Quarantine(tmp_path / "quarantine.json")
-    quarantine.hold(entry, "loss is nan", math.nan)
-    again = Quarantine(tmp_path / "quarantine.json")  # a restart
-    assert again.is_held(entry.seq) and again.list()[0]["reason"] == "loss is nan"
-    assert again.release([entry.seq, 999]) == [entry.seq]
-    assert not Quarantine(tmp_path / "quarantine.json").is_held(entry.seq)
-    assert Quarantine(tmp_path / "quarantine.json").released() == [entry.seq]
-    again.trained([entry.seq])
-    assert Quarantine(tmp_path / "quarantine.json").list() == []
+    assert Quarantine(log).hold(entry, "loss is nan", math.nan)
+    log.close()
+    released = []  # the trainer's queue is told to read the log again
+    again = Quarantine(FeedbackLog(tmp_path / "feedback.sqlite"), on_release=lambda: released.append(True))  # restart
+    [held] = again.list()
+    assert again.is_held(entry.seq)
+    assert (held["reason"], held["loss"], held["released"]) == ("loss is nan", "nan", False)
+    assert again.release([entry.seq, 999]) == [entry.seq] and released == [True]
+    assert again.release([entry.seq]) == [] and released == [True]  # released already: nothing to tell
+    assert not again.is_held(entry.seq) and again.list()[0]["released"]
+    again.log.mark_trained([entry.seq], 2)
+    assert again.list() == []
