@@ -52,18 +52,10 @@ from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
-from alchemist.training.quarantine import LossGuard, Quarantine
+from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
-
-
-def _guard_kind(entry: FeedbackEntry, it: Item) -> str:
-    """The poisoning guard's level a sample is held against: SFT on a correction, SFT on a served answer rated 1
-    (far lower losses), or its preference objective (checked for NaN/inf only: see alchemist.training.quarantine)."""
-    if it.objective == "sft":
-        return "correction" if entry.correction is not None else "rated"
-    return it.objective
 
 
 @dataclass
@@ -121,11 +113,7 @@ class OnlineTrainer:
         self.queue = FeedbackQueue(log, config, lambda e: self.anchors.exclude(e.response_id, e.prompt_token_ids))
         self.stats = OnlineStats(skipped=self.queue.skipped)
         self.quarantine = Quarantine(log, on_release=self.queue.changed)
-        spike, warmup = config.loss_spike_factor, config.loss_spike_warmup
-        # SFT's levels are per kind (the model's own answers rated 1 have a far lower loss than corrections);
-        # KTO's and DPO's losses are bounded and their responses the model's own: NaN/inf only (spike factor 0).
-        self.guards = {"correction": LossGuard(spike, warmup), "rated": LossGuard(spike, warmup),
-                       "kto": LossGuard(0.0), "dpo": LossGuard(0.0)}  # fmt: skip
+        self.guard = PoisoningGuard(config.loss_spike_factor, config.loss_spike_warmup)
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
@@ -289,20 +277,10 @@ class OnlineTrainer:
     def _hold_suspects(
         self, batch: list[tuple[FeedbackEntry, Item]], feedback: FeedbackBatch, losses: list[float]
     ) -> bool:
-        """Quarantines the entries whose samples' losses the guard flags (released ones are exempt: an admin vouched
-        for them) and drops the gradients; False if none is flagged."""
+        """Quarantines the entries whose samples' losses the guard flags and drops the gradients; False if none."""
         entries = {entry.seq: entry for entry, _ in batch}
-        checked: dict[str, list[tuple[int, float]]] = {}
-        for it, loss in zip(feedback.sample_items(), losses, strict=True):
-            entry = entries[it.seq]
-            if entry.released_s is None:
-                checked.setdefault(_guard_kind(entry, it), []).append((entry.seq, loss))
-        suspects: dict[int, tuple[str, float]] = {}  # a DPO pair's two samples: one entry
-        for kind, pairs in checked.items():
-            reasons = self.guards[kind].check([loss for _, loss in pairs])
-            for (seq, loss), reason in zip(pairs, reasons, strict=True):
-                if reason is not None:
-                    suspects.setdefault(seq, (reason, loss))
+        samples = [(entries[it.seq], it, loss) for it, loss in zip(feedback.sample_items(), losses, strict=True)]
+        suspects = self.guard.suspects(samples)
         if not suspects:
             return False
         self.trainer.optimizer.zero_grad(set_to_none=True)

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
+from alchemist.training.feedback_batch import Item
 
 
 class LossGuard:
@@ -54,6 +55,37 @@ class LossGuard:
                 self.level = loss if self.level is None else (1 - weight) * self.level + weight * loss
                 self.seen += 1
         return reasons
+
+
+class PoisoningGuard:
+    """A batch's suspects: each sample's loss against its kind's level. SFT's levels are per kind (the model's own
+    answers rated 1 have a far lower loss than corrections); KTO's and DPO's losses are bounded and their responses
+    the model's own: NaN/inf only (spike factor 0)."""
+
+    def __init__(self, spike_factor: float, warmup: int):
+        self.levels = {"correction": LossGuard(spike_factor, warmup), "rated": LossGuard(spike_factor, warmup),
+                       "kto": LossGuard(0.0), "dpo": LossGuard(0.0)}  # fmt: skip
+
+    def suspects(self, samples: list[tuple[FeedbackEntry, Item, float]]) -> dict[int, tuple[str, float]]:
+        """(entry, item, loss) of each sample -> {seq: (reason, loss)} of the entries to hold; entries released from
+        quarantine are not checked (an admin vouched for them), a DPO pair's two samples are one entry."""
+        checked: dict[str, list[tuple[int, float]]] = {}
+        for entry, it, loss in samples:
+            if entry.released_s is None:
+                checked.setdefault(_kind(entry, it), []).append((entry.seq, loss))
+        suspects: dict[int, tuple[str, float]] = {}
+        for kind, losses in checked.items():
+            reasons = self.levels[kind].check([loss for _, loss in losses])
+            for (seq, loss), reason in zip(losses, reasons, strict=True):
+                if reason is not None:
+                    suspects.setdefault(seq, (reason, loss))
+        return suspects
+
+
+def _kind(entry: FeedbackEntry, it: Item) -> str:
+    if it.objective == "sft":
+        return "correction" if entry.correction is not None else "rated"
+    return it.objective
 
 
 class Quarantine:

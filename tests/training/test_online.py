@@ -242,7 +242,7 @@ def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(en
                         **ids)[0].seq for i, p in enumerate(prompts[:2])]  # fmt: skip
     poison, _ = log.append(response_id="c", kind="sft", correction="?", prompt_token_ids=prompts[2],
                            response_token_ids=[9, 9, 9], **ids)  # fmt: skip
-    guard = trainer.guards["correction"]
+    guard = trainer.guard.levels["correction"]
     guard.level, guard.seen = 1e-6, guard.warmup  # every correction's loss is a spike now; answers rated 1 are not
     drain(trainer)
     held = log.get(poison.seq)
@@ -253,7 +253,7 @@ def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(en
     assert trainer.stats.quarantined == 1 and all(p.grad is None for p in trainer.adapter.parameters())
 
     restarted, _, _ = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
-    guard = restarted.guards["correction"]
+    guard = restarted.guard.levels["correction"]
     guard.level, guard.seen = 1e-6, guard.warmup
     assert not restarted.has_work() and restarted.quarantine.is_held(poison.seq)
     assert restarted.quarantine.release([poison.seq]) == [poison.seq]
