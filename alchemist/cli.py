@@ -7,6 +7,7 @@ Each subcommand registers its flags in a small function; heavy imports happen in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -78,6 +79,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         data_dir=args.data_dir,
         feedback_db=args.feedback_db,
+        api_key=args.api_key,
+        api_keys_file=args.api_keys_file,
+        allow_unauthenticated=args.allow_unauthenticated,
+        metrics_access=args.metrics_access,
+        docs_access=args.docs_access,
+        requests_per_minute=args.rate_limit_requests,
+        feedback_per_minute=args.rate_limit_feedback,
+        max_streams_per_key=args.max_streams_per_key,
+        record_mb_per_hour=args.record_quota_mb_per_hour,
     )
     run_server(_engine_config(args), server_config, _record_config(args), _online_config(args))
     return 0
@@ -120,6 +130,15 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--train-anchor-max-tokens", type=int, default=d.anchor_max_tokens, help="response tokens of an anchor"
+    )
+    p.add_argument(
+        "--train-loss-spike-factor",
+        type=float,
+        default=d.loss_spike_factor,
+        help="quarantine a sample whose loss exceeds this x the running level (0: NaN/inf only)",
+    )
+    p.add_argument(
+        "--train-loss-spike-warmup", type=int, default=d.loss_spike_warmup, help="losses seen before spikes count"
     )
     _add_objective_flags(p, d)
     p.add_argument("--lora-r", type=int, default=d.lora_r)
@@ -188,6 +207,8 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         keep_versions=args.keep_adapter_versions,
+        loss_spike_factor=args.train_loss_spike_factor,
+        loss_spike_warmup=args.train_loss_spike_warmup,
     )
 
 
@@ -226,7 +247,47 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
     p.add_argument("--data-dir", default="alchemist-data", help="durable state: feedback log, adapters")
     p.add_argument("--feedback-db", default=None, help="feedback log SQLite file (default: DATA_DIR/feedback.sqlite)")
+    _add_key_flags(p)
     p.set_defaults(func=_serve)
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the server (alchemist.server.auth)."""
+    p.add_argument(
+        "--api-key", default=os.environ.get("ALCHEMIST_API_KEY"), help="one admin key (default: $ALCHEMIST_API_KEY)"
+    )
+    p.add_argument("--api-keys-file", default=None, help="named user and admin keys, hashed (alchemist keys add)")
+    p.add_argument(
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without any API key"
+    )
+    p.add_argument("--metrics-access", default="admin", choices=["public", "admin"], help="who may read /metrics")
+    p.add_argument("--docs-access", default="admin", choices=["public", "admin"], help="/docs and /openapi.json")
+    d = ServerConfig()
+    p.add_argument("--rate-limit-requests", type=float, default=d.requests_per_minute, help="per key a minute; 0: off")
+    p.add_argument("--rate-limit-feedback", type=float, default=d.feedback_per_minute, help="per key a minute; 0: off")
+    p.add_argument("--max-streams-per-key", type=int, default=d.max_streams_per_key, help="open streams; 0: off")
+    p.add_argument(
+        "--record-quota-mb-per-hour", type=float, default=d.record_mb_per_hour, help="records a key may ask for"
+    )
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    from alchemist.server.auth import add_key
+
+    key = add_key(args.file, args.name, args.admin)
+    print(f"{'admin' if args.admin else 'user'} key {args.name!r} added to {args.file} (stored hashed; shown once):")
+    print(key)
+    return 0
+
+
+def _register_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser("keys", help="API keys of `serve --api-keys-file`")
+    ksub = keys.add_subparsers(dest="keys", required=True)
+    p = ksub.add_parser("add", help="make a new key, print it once, store its hash (SIGHUP or wait: serve reloads)")
+    p.add_argument("name")
+    p.add_argument("--admin", action="store_true", help="rollback, adapter management, /metrics and /docs")
+    p.add_argument("--file", default="alchemist-data/api-keys.toml", help="the keys file")
+    p.set_defaults(func=_keys_add)
 
 
 def _bench_forward(args: argparse.Namespace) -> int:
@@ -405,7 +466,7 @@ def _register_bench_ui(bsub: argparse._SubParsersAction) -> None:
 
 
 # Subcommands register here; each adds its own parser.
-REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate, _register_serve]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], object]] = [_register_generate, _register_serve, _register_keys]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ filled in by ``EngineConfig.resolve`` once the model's config is known.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -92,6 +93,19 @@ class EngineConfig:
         blocks_per_slot = -(-max_model_len // self.block_size)
         num_kv_blocks = self.num_kv_blocks or self.max_num_seqs * blocks_per_slot
         return dataclasses.replace(self, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+
+
+ACCESS_CHOICES = ("public", "admin")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to bind) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 RECORD_POLICIES = ("none", "requested", "sample", "all")
@@ -179,6 +193,13 @@ class OnlineConfig:
     anchor_top_k: int = 32
     anchor_max_tokens: int = 64  # an anchor is its response's first tokens (a sample of the KL's positions)
     anchor_pool_size: int = 256  # served completions kept as candidate anchors
+    # Poisoning guard (alchemist.training.quarantine): a sample whose loss is NaN/inf, or above this factor x the
+    # running level of accepted losses (after loss_spike_warmup of them), is held in quarantine, not trained.
+    # 0: finiteness only.
+    # 4: a correction of random characters had about 4x the loss of sensible ones on SmolLM2 (tests/server/
+    # test_poisoning.py, where the factor is 3).
+    loss_spike_factor: float = 4.0
+    loss_spike_warmup: int = 8
     # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
     # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
     sft_weight: float = 1.0
@@ -212,6 +233,8 @@ class OnlineConfig:
             or self.group_max_tokens < 0
         ):
             raise ValueError(f"group_max_tokens must be an integer >= 0 (got {self.group_max_tokens!r})")
+        if not self.loss_spike_factor >= 0:
+            raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
         if not self.max_wait_s >= 0:
@@ -242,6 +265,19 @@ class ServerConfig:
     completion_ttl_s: float = 24 * 3600.0  # ... and for how long
     data_dir: str = "alchemist-data"  # the server's durable state (feedback log, adapters); created at start-up
     feedback_db: str | None = None  # the feedback log's SQLite file; None: <data_dir>/feedback.sqlite
+    # API keys (alchemist.server.auth): one admin key, and/or a file of named, hashed user and admin keys. Without
+    # either the server is open to whoever reaches it, so it binds a loopback address only, unless told otherwise.
+    api_key: str | None = None
+    api_keys_file: str | None = None
+    allow_unauthenticated: bool = False  # bind a non-loopback address without keys
+    metrics_access: str = "admin"  # /metrics: "public", or an admin key (when keys are configured)
+    docs_access: str = "admin"  # /docs and /openapi.json: the same choice
+    # Limits of every key (a key's entry in the keys file may set its own; alchemist.server.limits); 0: no limit.
+    # Callers without a key (no keys configured: loopback only) are not limited.
+    requests_per_minute: float = 0.0  # completion requests
+    feedback_per_minute: float = 0.0
+    max_streams_per_key: int = 0  # streaming completions open at once
+    record_mb_per_hour: float = 2048.0  # prompt records a key's {"alchemist": {"record": true}} may ask for
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -258,6 +294,24 @@ class ServerConfig:
             self.feedback_db = str(self.feedback_db)
             if not self.feedback_db.strip():
                 raise ValueError("feedback_db must not be empty (None: <data_dir>/feedback.sqlite)")
+
+        for name in ("requests_per_minute", "feedback_per_minute", "max_streams_per_key", "record_mb_per_hour"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit; got {getattr(self, name)!r})")
+        for name in ("metrics_access", "docs_access"):
+            if getattr(self, name) not in ACCESS_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(ACCESS_CHOICES)} (got {getattr(self, name)!r})")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if not self.has_keys and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve {self.host} without API keys: anyone who reaches it could train and roll back "
+                "the model. Give --api-key or --api-keys-file, or --allow-unauthenticated if that is what you want"
+            )
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key) or self.api_keys_file is not None
 
     @property
     def feedback_db_path(self) -> str:

@@ -11,8 +11,9 @@ idempotency key (a hash of what the user sent) is unique: sending the same feedb
 entry and writes nothing. Token ids are stored as little-endian int32 blobs.
 
 What became of an entry is in the log too (``state``): "queued" until the trainer settles it, then "trained"
-(with the adapter version of the step) or "skipped" (with the reason). The table and its migrations:
-``alchemist.feedback.schema``.
+(with the adapter version of the step) or "skipped" (with the reason), or "quarantined": held out by the poisoning
+guard (``alchemist.training.quarantine``) until an admin releases it, which makes it "queued" again, first in
+line. The table and its migrations: ``alchemist.feedback.schema``.
 
 Kinds: "sft" (learn ``response_token_ids``: the served output, or the user's correction), "negative" (a rating of
 -1 without a correction: the served output was bad), "preference" (``response_id``'s output was preferred over
@@ -72,10 +73,14 @@ class FeedbackEntry:
     comment: str | None = None  # the user's words about the response: kept and shown, never trained on
     feedback_id: str | None = None  # the client's own id for the submission (its idempotency key then)
     metadata: dict[str, Any] | None = None  # the client's JSON object, as sent
-    state: str = "queued"  # "queued" | "trained" | "skipped"
+    state: str = "queued"  # "queued" | "trained" | "skipped" | "quarantined"
     trained_version: int | None = None  # the adapter version whose step trained it ("trained" only)
     skip_reason: str | None = None  # why it will not be trained ("skipped" only)
     settled_s: float | None = None  # when it left "queued"
+    quarantine_reason: str | None = None  # why the poisoning guard held it (kept once released)
+    quarantine_loss: float | None = None  # its loss then (None for NaN)
+    quarantined_s: float | None = None
+    released_s: float | None = None  # when an admin released it (it trains next, unchecked)
 
 
 def idempotency_key(
@@ -218,11 +223,42 @@ class FeedbackLog:
             raise ValueError("a skipped entry needs its reason")
         return self._settle(seqs, "state = 'skipped', skip_reason = ?", (reason,))
 
-    def next_queued(self, limit: int) -> list[FeedbackEntry]:
-        """Up to ``limit`` queued entries in training order: corrections first, then the rest, oldest first."""
+    def mark_quarantined(self, seq: int, reason: str, loss: float) -> bool:
+        """The queued entry ``seq`` is held out of training by the poisoning guard, for ``reason``; False if it was
+        not queued."""
+        assignment = "state = 'quarantined', quarantine_reason = ?, quarantine_loss = ?, quarantined_s = ?"
+        return self._settle([seq], assignment, (reason, loss, time.time())) == 1
+
+    def release(self, seqs: Sequence[int]) -> list[int]:
+        """The quarantined entries among ``seqs`` are queued again (first in line, see ``next_queued``); returns
+        their seqs."""
+        if not seqs:
+            return []
+        marks = ", ".join("?" * len(seqs))
         with self._lock:
             rows = self._conn.execute(
-                f"SELECT * FROM feedback WHERE state = 'queued' ORDER BY {CLASS} != 'correction', seq LIMIT ?",
+                f"UPDATE feedback SET state = 'queued', released_s = ?, settled_s = NULL "
+                f"WHERE state = 'quarantined' AND seq IN ({marks}) RETURNING seq",
+                (time.time(), *map(int, seqs)),
+            ).fetchall()
+        return sorted(seq for (seq,) in rows)
+
+    def quarantined(self) -> list[FeedbackEntry]:
+        """The entries held by the poisoning guard, and those released but not trained yet, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM feedback WHERE state = 'quarantined' OR (state = 'queued' AND released_s IS NOT NULL) "
+                "ORDER BY seq"
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def next_queued(self, limit: int) -> list[FeedbackEntry]:
+        """Up to ``limit`` queued entries in training order: released ones first (an admin is waiting for them),
+        then corrections, then the rest, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT * FROM feedback WHERE state = 'queued' "
+                f"ORDER BY released_s IS NULL, {CLASS} != 'correction', seq LIMIT ?",
                 (limit,),
             ).fetchall()
         return [_entry(r) for r in rows]
@@ -251,20 +287,21 @@ class FeedbackLog:
         return {state: 0 for state in STATES} | dict(rows)
 
     def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
-        """Marks skipped, for ``reason``, the queued entries of ``classes`` that arrived before
-        ``created_before_s``; returns how many."""
+        """Marks skipped, for ``reason``, the queued entries of ``classes`` that arrived (or were released from
+        quarantine) before ``created_before_s``; returns how many."""
         if not classes:
             return 0
         marks = ", ".join("?" * len(classes))
         with self._lock:
             return self._conn.execute(
                 f"UPDATE feedback SET state = 'skipped', skip_reason = ?, settled_s = ? "
-                f"WHERE state = 'queued' AND created_s < ? AND {CLASS} IN ({marks})",
+                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < ? AND {CLASS} IN ({marks})",
                 (reason, time.time(), created_before_s, *classes),
             ).rowcount
 
     def settled_through(self, excluding: Sequence[int] = ()) -> int:
-        """The largest seq up to which every entry is settled (trained or skipped) or among ``excluding``."""
+        """The largest seq up to which every entry is settled (trained, skipped, or quarantined: held for now; a
+        released one trains later, first in line, however far the position moved) or among ``excluding``."""
         marks = ", ".join("?" * len(excluding))
         with self._lock:  # one read transaction: an append in between cannot slip under the answer
             self._conn.execute("BEGIN")
@@ -278,10 +315,12 @@ class FeedbackLog:
         return last if first is None else first - 1
 
     def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
-        """(seq, kind) of the queued entries (with seq <= ``through_seq``), oldest first."""
+        """(seq, kind) of the queued entries (with seq <= ``through_seq``), oldest first; not those released from
+        quarantine (queued behind the position on purpose)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT seq, kind FROM feedback WHERE state = 'queued' AND seq <= ? ORDER BY seq",
+                "SELECT seq, kind FROM feedback WHERE state = 'queued' AND released_s IS NULL AND seq <= ? "
+                "ORDER BY seq",
                 (through_seq if through_seq is not None else 2**62,),
             ).fetchall()
         return [(seq, kind) for seq, kind in rows]
@@ -365,4 +404,8 @@ def _entry(row: sqlite3.Row) -> FeedbackEntry:
         trained_version=row["trained_version"],
         skip_reason=row["skip_reason"],
         settled_s=row["settled_s"],
+        quarantine_reason=row["quarantine_reason"],
+        quarantine_loss=row["quarantine_loss"],
+        quarantined_s=row["quarantined_s"],
+        released_s=row["released_s"],
     )

@@ -7,15 +7,18 @@ ALTER TABLE ADD COLUMN rewrites nothing: old rows read the column's default).
 Version 1 (the first): the entry as the server acknowledged it. Version 2 adds what clients send beside it
 (``comment``, their ``feedback_id``, a ``metadata`` JSON object) and what became of the entry: ``state`` (queued,
 trained, skipped), ``trained_version``, ``skip_reason``, ``settled_s``. Rows of a version-1 file are "queued";
-the online trainer settles those it had passed before (``OnlineTrainer.restore``).
+the online trainer settles those it had passed before (``OnlineTrainer.restore``). Version 3 adds the state
+"quarantined" (the poisoning guard holds the entry out of training until an admin releases it,
+``alchemist.training.quarantine``) and its columns: ``quarantine_reason``, ``quarantine_loss``, ``quarantined_s``,
+``released_s``. A state's CHECK cannot be altered in place: a version-2 table is rebuilt (``_rebuild``), seqs kept.
 """
 
 from __future__ import annotations
 
 import sqlite3
 
-VERSION = 2
-STATES = ("queued", "trained", "skipped")
+VERSION = 3
+STATES = ("queued", "trained", "skipped", "quarantined")
 
 TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (
@@ -35,15 +38,19 @@ CREATE TABLE IF NOT EXISTS feedback (
     created_s REAL NOT NULL
 )
 """
-# Version 2's columns, as ALTER TABLE adds them (so a fresh file and a migrated one are the same table).
+# The columns added since version 1, as ALTER TABLE adds them (so a fresh file and a migrated one are the same table).
 ADDED_COLUMNS = {
     "comment": "TEXT",
     "feedback_id": "TEXT",  # the client's own id for the submission
     "metadata": "TEXT",  # a JSON object
-    "state": "TEXT NOT NULL DEFAULT 'queued' CHECK (state IN ('queued', 'trained', 'skipped'))",
+    "state": f"TEXT NOT NULL DEFAULT 'queued' CHECK (state IN ({', '.join(repr(s) for s in STATES)}))",
     "trained_version": "INTEGER",
     "skip_reason": "TEXT",
     "settled_s": "REAL",  # when the state left "queued"
+    "quarantine_reason": "TEXT",  # why the poisoning guard held it (kept after a release)
+    "quarantine_loss": "REAL",  # the loss it had then (NULL for NaN)
+    "quarantined_s": "REAL",
+    "released_s": "REAL",  # when an admin released it: it trains next, unchecked
 }
 INDEXES = (
     # A client's feedback_id names one entry; most entries have none.
@@ -63,6 +70,9 @@ def migrate(conn: sqlite3.Connection) -> None:
             raise ValueError(f"feedback log schema version {version} is newer than this Alchemist's ({VERSION})")
         conn.execute(TABLE)
         present = {row[1] for row in conn.execute("PRAGMA table_info(feedback)")}
+        if "state" in present and "quarantine_reason" not in present:  # version 2: its state CHECK is too narrow
+            _rebuild(conn, present)
+            present = {row[1] for row in conn.execute("PRAGMA table_info(feedback)")}
         for name, declaration in ADDED_COLUMNS.items():
             if name not in present:
                 conn.execute(f"ALTER TABLE feedback ADD COLUMN {name} {declaration}")
@@ -74,3 +84,19 @@ def migrate(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _rebuild(conn: sqlite3.Connection, columns: set[str]) -> None:
+    """The table made again with this version's declarations and the old rows (seqs and the AUTOINCREMENT counter
+    kept); SQLite's own recipe for a changed constraint. Runs inside ``migrate``'s transaction."""
+    conn.execute("ALTER TABLE feedback RENAME TO feedback_old")
+    conn.execute(TABLE)
+    for name, declaration in ADDED_COLUMNS.items():
+        conn.execute(f"ALTER TABLE feedback ADD COLUMN {name} {declaration}")
+    names = ", ".join(sorted(columns))
+    conn.execute(f"INSERT INTO feedback ({names}) SELECT {names} FROM feedback_old")
+    counter = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'feedback_old'").fetchone()
+    conn.execute("DROP TABLE feedback_old")  # and its indexes: migrate makes them again, on the new table
+    if counter is not None:
+        conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feedback'")
+        conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('feedback', ?)", counter)

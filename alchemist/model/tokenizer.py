@@ -93,6 +93,7 @@ class Tokenizer:
         return self.encode(text) + ([end] if end is not None else [])
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        check_text(text, "text")
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -121,6 +122,16 @@ def validate_messages(messages: list[dict]) -> None:
             raise ValueError(f"messages[{i}]['role'] is {message.get('role')!r}; expected one of {CHAT_ROLES}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}]['content'] must be a string")
+        check_text(message["content"], f"messages[{i}]['content']")
+
+
+def check_text(text: str, name: str) -> None:
+    """Raise ValueError if ``text`` is not valid Unicode: JSON can carry a lone surrogate ("\\ud800"), which no
+    tokenizer can encode (HF's raises a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: a lone surrogate at position {e.start}") from None
 
 
 class IncrementalDetokenizer:

@@ -4,7 +4,7 @@
     POST /v1/adapters/rollback   {"version": 3} -> AdapterInfo of the new version that serves version 3's weights
 
 The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
-trainer's (``OnlineTrainer.rollback``), which waits for the training slice in progress to end.
+trainer's (``OnlineTrainer.rollback``), which waits for the batch in training to be checkpointed first.
 """
 
 from __future__ import annotations

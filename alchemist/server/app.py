@@ -10,6 +10,7 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -17,30 +18,37 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig
+from alchemist.activations.record import record_bytes_per_token
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.server.adapters import AdapterService
 from alchemist.server.async_engine import AsyncEngine
+from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
     AdapterNotFoundError,
+    AuthenticationError,
     BodyTooLargeError,
     FeedbackConflictError,
     FeedbackNotFoundError,
     ModelNotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
     ResponseNotFoundError,
 )
 from alchemist.server.feedback import FeedbackService
+from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.server.metrics import ServerMetrics
+from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
+from alchemist.server.quarantine import router as quarantine_router
 from alchemist.server.routes import router
 from alchemist.server.series import SeriesRecorder
 from alchemist.server.service import OpenAIServing
@@ -57,6 +65,9 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     BodyTooLargeError: (413, "invalid_request_error", "request_too_large"),
     ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
     QueueFullError: (429, "rate_limit_error", "server_overloaded"),  # the bounded waiting queue is full
+    AuthenticationError: (401, "invalid_request_error", "invalid_api_key"),  # alchemist.server.auth
+    PermissionDeniedError: (403, "invalid_request_error", "permission_denied"),
+    RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),  # a key's limits (alchemist.server.limits)
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
     FeedbackNotFoundError: (404, "invalid_request_error", "feedback_not_found"),
@@ -66,7 +77,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
 }
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException) -> Response:
+    headers = getattr(exc, "headers", None)  # a 405's Allow, a 401's WWW-Authenticate, a 429's Retry-After
     if isinstance(exc, StarletteHTTPException):  # unknown route, wrong method
         status, kind, code, param, message = exc.status_code, "invalid_request_error", None, None, str(exc.detail)
     else:
@@ -74,9 +86,12 @@ def error_response(exc: BaseException) -> JSONResponse:
         message, param = _describe(exc)
         if status >= 500:
             logger.error("internal error", exc_info=exc)
-            message = f"internal error: {type(exc).__name__}: {exc}"
+            # The details (paths, values) stay in the server's log; the client learns only what kind of failure.
+            message = f"internal error ({type(exc).__name__}); the server's log has the details"
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    # ASCII JSON: a message may quote input holding a lone surrogate, which UTF-8 cannot encode.
+    content = json.dumps(body.model_dump(), ensure_ascii=True, separators=(",", ":"))
+    return Response(content, status_code=status, media_type="application/json", headers=headers)
 
 
 def _describe(exc: BaseException) -> tuple[str, str | None]:
@@ -156,15 +171,21 @@ def build_app(
                 series.stop()
             async_engine.shutdown()
 
-    app = FastAPI(title="alchemist", lifespan=lifespan)
+    app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, openapi_url=None)  # ours take keys
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.keys = KeyStore()  # none: open (app_for_engine sets the server's)
+    app.state.limits = serving.limits
+    app.state.server_config = ServerConfig()
     app.state.series = series
     app.include_router(router)
+    app.include_router(docs_router)
+    app.include_router(quarantine_router)
+    install_openapi(app)
     mount_web(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
 
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
+    async def handle(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
     for exc_class in (RequestValidationError, StarletteHTTPException, *ERROR_MAP):
@@ -219,6 +240,9 @@ def app_for_engine(
     serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
     series = SeriesRecorder(metrics, feedback_log, lambda: engine.adapter_version)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes, series)
+    app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
+    serving.limits = app.state.limits = _key_limits(server_config, engine)
+    app.state.server_config = server_config
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     app.state.feedback_log = feedback_log
@@ -226,6 +250,18 @@ def app_for_engine(
     app.state.trainer = trainer
     app.state.adapters = AdapterService(engine, trainer, checkpoints)
     return app
+
+
+def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:
+    defaults = LimitConfig(
+        requests_per_minute=config.requests_per_minute,
+        feedback_per_minute=config.feedback_per_minute,
+        max_streams=config.max_streams_per_key,
+        record_mb_per_hour=config.record_mb_per_hour,
+    )
+    recorder = engine.recorder  # a record's size: its prompt's tokens x this (None: nothing is ever recorded)
+    per_token = record_bytes_per_token(engine.model.config, recorder.dtype) if recorder is not None else 0
+    return KeyLimits(defaults, per_token)
 
 
 def create_app(
@@ -283,6 +319,8 @@ def run_server(
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.state.keys.reload())
+    _say_who_may_connect(server_config)
     async_engine: AsyncEngine = app.state.async_engine
     print(app_urls(server_config), flush=True)
     http = threading.Thread(target=serve_http, name="uvicorn")
@@ -293,3 +331,17 @@ def run_server(
         server.should_exit = True
         http.join()
         app.state.feedback_log.close()  # only now: the step loop (the trainer) may read the log until it ends
+
+
+def _say_who_may_connect(config: ServerConfig) -> None:
+    if config.has_keys:
+        logger.warning("API keys required (Authorization: Bearer ...) on %s:%d", config.host, config.port)
+    elif is_loopback(config.host):
+        logger.warning(
+            "no API keys: serving %s:%d, loopback only (--api-key or --api-keys-file to serve other machines)",
+            config.host,
+            config.port,
+        )
+    else:
+        logger.warning("no API keys on %s:%d (--allow-unauthenticated): anyone who reaches it may train and roll "
+                       "back the model", config.host, config.port)  # fmt: skip

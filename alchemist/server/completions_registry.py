@@ -24,6 +24,7 @@ class CompletionRecord:
     finish_reason: str | None
     created_s: float = field(default_factory=time.time)  # wall-clock time the response finished
     recorded: bool = False  # whether activations were recorded for it (the "alchemist.record" request flag)
+    owner: str | None = None  # the name of the API key that made it (alchemist.server.auth); None: no keys
 
 
 class CompletionsRegistry:

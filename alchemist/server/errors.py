@@ -17,7 +17,8 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(LookupError):
     def __init__(self, model: str, served: list[str]):
-        super().__init__(f"The model {model!r} does not exist; this server serves {served}")
+        # Only the public name: the other accepted names are paths on the server's disk, nobody else's business.
+        super().__init__(f"The model {model!r} does not exist; this server serves {served[0]!r}")
         self.param = "model"
 
 
@@ -51,6 +52,24 @@ class AdapterNotFoundError(LookupError):
 class TrainingDisabledError(ValueError):
     def __init__(self) -> None:
         super().__init__("online training is disabled on this server (start it without --no-train)")
+
+
+class AuthenticationError(PermissionError):
+    """No API key, or one that is not configured (401)."""
+
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+class PermissionDeniedError(PermissionError):
+    """A valid key that may not do this: a user key on an admin route, feedback on another key's response (403)."""
+
+
+class RateLimitError(RuntimeError):
+    """A key's rate limit is spent (429); ``retry_after_s`` says when the next request would be admitted."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.headers = {"Retry-After": str(max(1, int(retry_after_s + 0.999)))}
 
 
 class FeedbackNotFoundError(LookupError):

@@ -28,6 +28,7 @@ from alchemist.server.errors import (
     InvalidRequestError,
     ResponseNotFoundError,
 )
+from alchemist.server.ownership import check_owner
 
 MAX_LIST = 1000  # entries in one GET /v1/feedback
 
@@ -39,8 +40,10 @@ class FeedbackService:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def submit(self, req: p.FeedbackRequest) -> p.FeedbackResponse:
-        """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop."""
+    def submit(self, req: p.FeedbackRequest, owner: str | None = None) -> p.FeedbackResponse:
+        """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop.
+        ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys)."""
+        check_owner(self.registry, owner, req.response_id, req.preferred_over)
         key = idempotency_key(
             req.response_id, req.rating, req.correction, req.preferred_over, req.comment, req.metadata, req.feedback_id
         )
@@ -76,8 +79,9 @@ class FeedbackService:
         )
         return self._repeat(entry, req) if not created else _response(entry, created)
 
-    def get(self, feedback_id: str) -> p.FeedbackInfo:
-        """An entry and its state, by the server's id ("fb-<seq>") or the client's ``feedback_id``."""
+    def get(self, feedback_id: str, owner: str | None = None) -> p.FeedbackInfo:
+        """An entry and its state, by the server's id ("fb-<seq>") or the client's ``feedback_id``; ``owner`` as
+        for ``submit`` (an entry on another key's response is a 403 while the server still knows the response)."""
         entry = None
         if p.SERVER_FEEDBACK_ID.fullmatch(feedback_id):
             entry = self.log.get(int(feedback_id[3:]))
@@ -85,6 +89,7 @@ class FeedbackService:
             entry = self.log.find_feedback_id(feedback_id)
         if entry is None:
             raise FeedbackNotFoundError(feedback_id)
+        check_owner(self.registry, owner, entry.response_id)
         return _info(entry)
 
     def entries(self, state: str | None, after: str | None, limit: int) -> p.FeedbackList:
@@ -156,6 +161,7 @@ def _info(entry: FeedbackEntry) -> p.FeedbackInfo:
         state=entry.state,
         trained_version=entry.trained_version,
         skip_reason=entry.skip_reason,
+        quarantine_reason=entry.quarantine_reason,
     )
 
 

@@ -362,9 +362,10 @@ class FeedbackInfo(OpenAIModel):
     metadata: dict[str, Any] | None
     feedback_id: str | None  # the client's id, if it sent one (GET /v1/feedback/{feedback_id} finds it too)
     created_at: int  # unix seconds of the append
-    state: Literal["queued", "trained", "skipped"]
+    state: Literal["queued", "trained", "skipped", "quarantined"]
     trained_version: int | None  # the adapter version whose training step learned it ("trained")
     skip_reason: str | None  # why it will not be trained ("skipped")
+    quarantine_reason: str | None  # why the poisoning guard held it ("quarantined"; kept once released)
 
 
 class BacklogClass(OpenAIModel):

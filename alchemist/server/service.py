@@ -17,10 +17,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from alchemist.engine import RequestOutput, SamplingParams, TokenLogprobs
+from alchemist.model.tokenizer import check_text
 from alchemist.server import protocol as p
 from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from alchemist.server.auth import ANONYMOUS, Caller
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ModelNotFoundError
+from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.training.anchors import Anchor, AnchorPool
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -36,6 +39,8 @@ class Accumulator:
     """What a request has produced so far, across its RequestOutputs."""
 
     prompt_token_ids: list[int]
+    owner: str | None = None  # the API key's name (None: no keys configured)
+    recorded: bool = False  # whether its prompt was asked to be recorded, and granted
     last: RequestOutput | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
 
@@ -99,6 +104,7 @@ class OpenAIServing:
         self.registry = registry
         self.anchors = anchors  # the online trainer's: finished completions to stay close on
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.limits = KeyLimits(LimitConfig(), 0)  # the app sets the server's (alchemist.server.limits)
 
     @property
     def model_name(self) -> str:
@@ -110,14 +116,18 @@ class OpenAIServing:
 
     # --- chat -----------------------------------------------------------------------------------------------
 
-    async def chat(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | EventStream:
+    async def chat(
+        self, req: p.ChatCompletionRequest, caller: Caller = ANONYMOUS
+    ) -> p.ChatCompletionResponse | EventStream:
+        """``caller``: the API key the response belongs to (only it may give feedback on it; its quota grants a
+        request to be recorded)."""
         self._check_model(req.model)
         prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages")
+        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages", caller)
         if req.stream:
             return EventStream(self._chat_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
-        self._register(request_id, acc, req)
+        self._register(request_id, acc)
         choice = p.ChatCompletionChoice(
             message=p.ChatCompletionMessage(content=acc.text),
             logprobs=self._chat_logprobs(acc.logprobs, req.top_logprobs) if req.logprobs else None,
@@ -154,7 +164,7 @@ class OpenAIServing:
                 if out.new_text or logprobs:
                     delta = p.ChatDelta(content=out.new_text)
                     yield sse(chunk([p.ChatCompletionStreamChoice(delta=delta, logprobs=logprobs)]))
-            self._register(request_id, acc, req)
+            self._register(request_id, acc)
             if role:  # no output at all (aborted before its prefill)
                 yield sse(chunk(role))
             yield sse(chunk([p.ChatCompletionStreamChoice(delta=p.ChatDelta(), finish_reason=acc.finish_reason)]))
@@ -168,16 +178,20 @@ class OpenAIServing:
 
     # --- text completions -----------------------------------------------------------------------------------
 
-    async def completion(self, req: p.CompletionRequest) -> p.CompletionResponse | EventStream:
+    async def completion(
+        self, req: p.CompletionRequest, caller: Caller = ANONYMOUS
+    ) -> p.CompletionResponse | EventStream:
         self._check_model(req.model)
         # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
         prompt = req.prompt
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt")
+        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt", caller)
         if req.stream:
             return EventStream(self._completion_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
-        self._register(request_id, acc, req)
+        self._register(request_id, acc)
         logprobs = self._completion_logprobs(acc.logprobs, 0) if req.logprobs is not None else None
         choice = p.CompletionChoice(text=acc.text, logprobs=logprobs, finish_reason=acc.finish_reason)
         return p.CompletionResponse(
@@ -208,7 +222,7 @@ class OpenAIServing:
                 if out.new_text or out.finished or logprobs:
                     reason = acc.finish_reason if out.finished else None
                     yield sse(chunk([p.CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=reason)]))
-            self._register(request_id, acc, req)
+            self._register(request_id, acc)
             if req.include_usage:
                 yield sse(chunk([], acc.usage()))
         except EngineDeadError as e:
@@ -224,7 +238,12 @@ class OpenAIServing:
             raise ModelNotFoundError(model, self.served_model_names)
 
     def _submit(
-        self, prefix: str, req: p.ChatCompletionRequest | p.CompletionRequest, prompt_ids: list[int], prompt_param: str
+        self,
+        prefix: str,
+        req: p.ChatCompletionRequest | p.CompletionRequest,
+        prompt_ids: list[int],
+        prompt_param: str,
+        caller: Caller,
     ) -> tuple[str, RequestStream, Accumulator]:
         self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
@@ -242,11 +261,12 @@ class OpenAIServing:
             stop=list(req.stop or []),
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
-            record=req.alchemist.record,
+            # A client's flag asks; its key's record quota grants (else it is served unrecorded: no error).
+            record=req.alchemist.record and self.limits.grant_record(caller, len(prompt_ids)),
         )
         request_id = p.random_id(prefix)
         stream = self.engine.generate(request_id, prompt_ids, params)
-        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids)
+        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=caller.name, recorded=params.record)
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -273,7 +293,7 @@ class OpenAIServing:
         finally:
             await stream.aclose()
 
-    def _register(self, request_id: str, acc: Accumulator, req: p.SamplingRequest) -> None:
+    def _register(self, request_id: str, acc: Accumulator) -> None:
         self.registry.add(
             CompletionRecord(
                 id=request_id,
@@ -284,7 +304,8 @@ class OpenAIServing:
                 adapter_version=acc.adapter_version,
                 finish_reason=acc.finish_reason,
                 created_s=time.time(),
-                recorded=req.alchemist.record,
+                recorded=acc.recorded,
+                owner=acc.owner,
             )
         )
         if self.anchors is not None and acc.finish_reason in ("stop", "length"):

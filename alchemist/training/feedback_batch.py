@@ -50,6 +50,7 @@ class Item:
     record_id: str | None = None  # the prompt's record, if one was made
     desirable: bool = True  # KTO: a thumbs-up (True) or a thumbs-down
     rejected_ids: list[int] | None = None  # DPO: the rejected response
+    seq: int | None = None  # the feedback log entry it comes from
 
 
 class FeedbackBatch:
@@ -66,6 +67,10 @@ class FeedbackBatch:
 
     def __len__(self) -> int:
         return len(self.sft) + len(self.kto) + 2 * len(self.dpo)
+
+    def sample_items(self) -> list[Item]:
+        """The item of each of ``samples_slices``' samples, in their order (a DPO pair's item twice)."""
+        return self.sft + self.kto + [item for item in self.dpo for _ in range(2)]
 
     def references_slices(self, model: Llama) -> Generator[None, None, None]:
         """The base model's log-probabilities of every preference response (and of KTO's mismatched pairs)."""

@@ -29,18 +29,18 @@ EMPTY = "nothing to learn: the prompt or a response is empty"
 
 def item(entry: FeedbackEntry, thumbs_up: str = "kto") -> Item | None:
     """The training item of a log entry; None if it has nothing to learn."""
-    prompt, record = entry.prompt_token_ids, entry.response_id
+    prompt, record, seq = entry.prompt_token_ids, entry.response_id, entry.seq
     if not prompt or not entry.response_token_ids:
         return None
     if entry.kind == "preference":
         if not entry.rejected_token_ids:
             return None
-        return Item("dpo", prompt, entry.response_token_ids, record, rejected_ids=entry.rejected_token_ids)
+        return Item("dpo", prompt, entry.response_token_ids, record, rejected_ids=entry.rejected_token_ids, seq=seq)
     if entry.kind == "negative":
-        return Item("kto", prompt, entry.response_token_ids, record, desirable=False)
+        return Item("kto", prompt, entry.response_token_ids, record, desirable=False, seq=seq)
     if entry.correction is None and thumbs_up == "kto":
-        return Item("kto", prompt, entry.response_token_ids, record, desirable=True)
-    return Item("sft", prompt, entry.response_token_ids, record)
+        return Item("kto", prompt, entry.response_token_ids, record, desirable=True, seq=seq)
+    return Item("sft", prompt, entry.response_token_ids, record, seq=seq)
 
 
 class FeedbackQueue:

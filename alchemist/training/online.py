@@ -11,7 +11,10 @@ The story of one mini-batch: the next queued entries of the log, corrections fir
 log-probabilities, computed once (``alchemist.training.objectives``) -> ``epochs`` optimizer steps, each sample
 replayed from its record where the record is fresh enough, recomputed otherwise -> publish the new adapter version
 to the engine -> checkpoint it (adapter, optimizer state, the log position up to which everything is settled, its
-metrics and the seqs it trained) atomically -> mark the entries trained in the log. Each step also keeps the
+metrics and the seqs it trained) atomically -> mark the entries trained in the log. Before the first update, the
+poisoning guard (``alchemist.training.quarantine``) looks at each sample's loss: an entry whose loss is NaN/inf or
+a spike is quarantined (a state in the log), the gradients are dropped, and the rest of the batch, still queued,
+trains next without it. Each step also keeps the
 adapted model close to the base model on recent served traffic: ``anchor_weight`` x KL(base || adapted) over
 ``anchor_samples`` anchors (``alchemist.training.anchors``; replayed from their records too).
 
@@ -29,7 +32,8 @@ requests are in flight (the step loop's accounting); with none in flight, traini
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
 meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
-(feedback trained since is not trained again).
+(feedback trained since is not trained again). It waits for the batch in training to be published and checkpointed
+first, and no new batch starts meanwhile, so a rollback never throws training away.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
+from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class OnlineStats:
     anchor_tokens: int = 0
     anchor_replayed: int = 0
     last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
+    quarantined: int = 0  # entries held by the poisoning guard (alchemist.training.quarantine)
 
 
 class OnlineTrainer:
@@ -106,10 +112,15 @@ class OnlineTrainer:
         # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
         self.queue = FeedbackQueue(log, config, lambda e: self.anchors.exclude(e.response_id, e.prompt_token_ids))
         self.stats = OnlineStats(skipped=self.queue.skipped)
-        self.position = 0  # every log entry up to this seq is settled (trained or skipped) as of the checkpoint
+        self.quarantine = Quarantine(log, on_release=self.queue.changed)
+        self.guard = PoisoningGuard(config.loss_spike_factor, config.loss_spike_warmup)
+        self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
-        self._lock = threading.Lock()  # a slice and a rollback never interleave
+        # A slice, a look for work and a rollback never interleave (reentrant: run_slice looks for work too).
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified when a batch's job ends (rollbacks wait for it)
+        self._rollbacks_waiting = 0  # while > 0, no new batch starts: a rollback goes at the next batch boundary
         self.restore()
 
     # --- state ---------------------------------------------------------------------------------------------------
@@ -159,20 +170,21 @@ class OnlineTrainer:
     def has_work(self) -> bool:
         if not self.config.enabled:
             return False
-        if self._job is not None:
-            return True
-        head = self.queue.head()
-        if not head:
-            return False
-        waited_s = time.time() - min(entry.created_s for entry, _ in head)
-        return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+        with self._lock:
+            if self._job is not None:
+                return True
+            head = self.queue.head()
+            if not head:
+                return False
+            waited_s = time.time() - min(entry.created_s for entry, _ in head)
+            return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
         """One slice of training work; returns the seconds it took."""
         t0 = time.perf_counter()
         with self._lock:
             if self._job is None:
-                if not self.has_work():
+                if self._rollbacks_waiting or not self.has_work():
                     return 0.0
                 self._job = self._train(self.queue.head())
             try:
@@ -183,6 +195,8 @@ class OnlineTrainer:
                 # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
                 logger.exception("online training failed; its batch will be read again")
                 self._abandon()
+            if self._job is None:
+                self._idle.notify_all()
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed
@@ -218,12 +232,14 @@ class OnlineTrainer:
         anchors = yield from self._anchor_samples()
         losses, kls, tokens, by_objective = [], [], 0, {}
         self._job_s = 0.0
-        for _ in range(self.config.epochs):
+        for epoch in range(self.config.epochs):
             samples, scales = yield from feedback.samples_slices(self.engine.model, self.adapter)
             passes = samples + anchors
             if anchors:
                 scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
             results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
+            if epoch == 0 and self._hold_suspects(batch, feedback, [loss for loss, _ in results[: len(samples)]]):
+                return  # no update: the rest of the batch, still queued, trains next without them
             losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
             by_objective = _mean_by_objective(samples, results)
             kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
@@ -257,6 +273,22 @@ class OnlineTrainer:
         self.position = position
         self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
         self.queue.changed()
+
+    def _hold_suspects(
+        self, batch: list[tuple[FeedbackEntry, Item]], feedback: FeedbackBatch, losses: list[float]
+    ) -> bool:
+        """Quarantines the entries whose samples' losses the guard flags and drops the gradients; False if none."""
+        entries = {entry.seq: entry for entry, _ in batch}
+        samples = [(entries[it.seq], it, loss) for it, loss in zip(feedback.sample_items(), losses, strict=True)]
+        suspects = self.guard.suspects(samples)
+        if not suspects:
+            return False
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        for seq, (reason, loss) in suspects.items():
+            logger.warning("feedback %d (response %s) quarantined: %s", seq, entries[seq].response_id, reason)
+            self.stats.quarantined += self.quarantine.hold(entries[seq], reason, loss)
+        self.queue.changed()
+        return True
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
@@ -296,16 +328,28 @@ class OnlineTrainer:
     # --- rollback (any thread) -----------------------------------------------------------------------------------
 
     def rollback(self, version: int) -> int:
-        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number."""
-        with self._lock:
-            if version != 0 and version not in {v.version for v in self.checkpoints.versions()}:
+        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number.
+
+        A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
+        its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
+        work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
+        kept = lambda: version == 0 or version in {v.version for v in self.checkpoints.versions()}  # noqa: E731
+        with self._idle:
+            if not kept():
                 raise KeyError(version)
-            self._abandon()
+            self._rollbacks_waiting += 1
+            try:
+                self._idle.wait_for(lambda: self._job is None)  # the step loop runs the batch's slices meanwhile
+            finally:
+                self._rollbacks_waiting -= 1
+            if not kept():  # the batch's checkpoint pushed it out (keep_versions)
+                raise KeyError(version)
+            self.queue.changed()
             if version == 0:
                 self._load_initial()
             else:
                 self._load(version)
-            self.adapter.version = max(self.version, *(v.version for v in self.checkpoints.versions())) + 1
+            self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
             self.engine.set_adapter(self.adapter, self.version)
             self.checkpoints.save(
                 self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}

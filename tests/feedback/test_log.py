@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
+from alchemist.feedback.schema import VERSION
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,6 +215,26 @@ def test_states_settle_once_with_their_version_or_reason(log: FeedbackLog):
     assert log.queued_seqs() == [(seqs[3], "sft")] and log.queued_seqs(through_seq=seqs[2]) == []
 
 
+
+def test_a_quarantined_entry_is_settled_for_now_and_released_first_in_line(log: FeedbackLog):
+    seqs = [log.append(**submission(f"r{i}"))[0].seq for i in range(3)]
+    assert log.mark_quarantined(seqs[0], "loss is nan", float("nan")) and not log.mark_quarantined(seqs[0], "x", 1.0)
+    held = log.get(seqs[0])
+    assert (held.state, held.quarantine_reason, held.quarantine_loss) == ("quarantined", "loss is nan", None)
+    assert log.settled_through() == seqs[0] and log.state_counts()["quarantined"] == 1  # held: settled for now
+    assert [e.seq for e in log.next_queued(10)] == seqs[1:] and log.queued_seqs() == [(s, "sft") for s in seqs[1:]]
+    assert log.mark_trained(seqs[1:], 2) == 2 and log.settled_through() == seqs[-1]
+    assert log.release([seqs[0], seqs[1], 999]) == [seqs[0]]  # only a held entry is released
+    released = log.get(seqs[0])
+    assert (released.state, released.settled_s, released.quarantine_reason) == ("queued", None, "loss is nan")
+    assert released.released_s is not None and [e.seq for e in log.quarantined()] == [seqs[0]]
+    assert log.queued_seqs() == []  # behind the position on purpose: restore must not settle it
+    new = log.append(**submission("later", correction="A correction."))[0].seq
+    assert [e.seq for e in log.next_queued(10)] == [seqs[0], new]  # released first, even before corrections
+    log.mark_trained([seqs[0]], 4)
+    assert log.quarantined() == [] and log.get(seqs[0]).trained_version == 4
+
+
 VERSION_1_TABLE = """
 CREATE TABLE feedback (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, response_id TEXT NOT NULL,
@@ -251,7 +272,7 @@ def test_a_version_1_file_is_migrated_and_keeps_its_entries(tmp_path: Path):
         assert not created and retried == old_entry
         new, _ = log.append(**submission("chatcmpl-new", comment="ok", feedback_id="c-1", metadata={"k": 1}))
         assert new.seq == 2 and log.find_feedback_id("c-1") == new
-        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION
     finally:
         log.close()
     reopened = FeedbackLog(path)  # a migrated file opens again as it is
@@ -259,6 +280,44 @@ def test_a_version_1_file_is_migrated_and_keeps_its_entries(tmp_path: Path):
         assert [e.seq for e in reopened.read()] == [1, 2]
     finally:
         reopened.close()
+
+
+def test_a_version_2_file_is_rebuilt_with_the_quarantined_state(tmp_path: Path):
+    """Version 2's state CHECK allowed no "quarantined": the table is made again, its rows, states, indexes and
+    seq counter kept."""
+    path = tmp_path / "feedback.sqlite"
+    log = FeedbackLog(path)
+    seqs = [log.append(**submission(f"r{i}", feedback_id=f"c-{i}"))[0].seq for i in range(3)]
+    log.mark_trained(seqs[:1], 2)
+    log._conn.execute("DELETE FROM feedback WHERE seq = ?", (seqs[2],))  # the counter must not step back
+    log.close()
+    with sqlite3.connect(path) as old:  # back to version 2: its columns and CHECK
+        old.execute("ALTER TABLE feedback RENAME TO v3")
+        old.execute(VERSION_1_TABLE)
+        old.execute(
+            "ALTER TABLE feedback ADD COLUMN state TEXT NOT NULL DEFAULT 'queued' "
+            "CHECK (state IN ('queued', 'trained', 'skipped'))"
+        )
+        for name in ("comment", "feedback_id", "metadata", "trained_version", "skip_reason", "settled_s"):
+            old.execute(f"ALTER TABLE feedback ADD COLUMN {name}")
+        old.execute("INSERT INTO feedback SELECT seq, idempotency_key, response_id, kind, rating, correction, "
+                    "preferred_over, prompt_token_ids, response_token_ids, output_token_ids, rejected_token_ids, "
+                    "adapter_version, recorded, created_s, state, comment, feedback_id, metadata, trained_version, "
+                    "skip_reason, settled_s FROM v3")  # fmt: skip
+        old.execute("DROP TABLE v3")
+        old.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'feedback'", (seqs[2],))
+        old.execute("PRAGMA user_version = 2")
+    log = FeedbackLog(path)
+    try:
+        assert [(e.seq, e.state, e.trained_version) for e in log.read()] == [(seqs[0], "trained", 2),
+                                                                            (seqs[1], "queued", None)]  # fmt: skip
+        assert log.mark_quarantined(seqs[1], "loss is inf", float("inf"))
+        assert log.find_feedback_id("c-1").state == "quarantined"
+        assert log.append(**submission("new"))[0].seq == seqs[2] + 1
+        indexes = {row[1] for row in log._conn.execute("PRAGMA index_list(feedback)")}
+        assert {"feedback_by_client_id", "feedback_queued"} <= indexes
+    finally:
+        log.close()
 
 
 def test_a_file_from_a_newer_version_is_refused(tmp_path: Path):

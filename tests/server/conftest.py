@@ -41,14 +41,20 @@ class ServerProcess:
     process: subprocess.Popen
     log_path: Path
     data_dir: Path  # --data-dir: the feedback log is data_dir / "feedback.sqlite"
+    api_key: str | None = None  # what client() and headers send (an admin key, where the server has keys)
 
-    def client(self, **kwargs) -> openai.OpenAI:
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, api_key: str | None = None, **kwargs) -> openai.OpenAI:
         # No retries: a 429 or 5xx must reach the test as it is.
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, **kwargs)
+        key = api_key or self.api_key or "unused"
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=key, max_retries=0, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics, e.g. {"alchemist:num_requests_running": 0.0}."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        text = httpx.get(self.base_url + "/metrics", headers=self.headers, timeout=10).text
         samples = {}
         for line in text.splitlines():
             if m := re.fullmatch(r"([a-zA-Z_:]+(?:\{[^}]*\})?) (\S+)", line):
@@ -86,6 +92,13 @@ def launch_server(
     with open(log_path, "ab") as log:  # a restarted server appends to its log
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo_root, env=env)
     return ServerProcess(f"http://127.0.0.1:{port}", process, log_path, data_dir)
+
+
+def write_keys(path: Path, users: tuple[str, ...] = ("alice", "bob"), admins: tuple[str, ...] = ("ops",)) -> dict:
+    """A keys file (``alchemist keys add``'s format) with these user and admin keys; returns name -> key."""
+    from alchemist.server.auth import add_key
+
+    return {name: add_key(path, name, admin=name in admins) for name in (*users, *admins)}
 
 
 def wait_ready(server: ServerProcess) -> None:

@@ -101,8 +101,32 @@ def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-17", messages=HELLO)
     assert info.value.body["code"] == "model_not_found"
+    assert "/" not in info.value.body["message"], "an error names no path on the server's disk"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-17", prompt="hi")
+    assert_still_serving(server)
+
+
+LONE_SURROGATE = '"a\\ud800b"'  # JSON for a string no UTF-8 can encode
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/chat/completions", '{"model": "smollm2", "messages": [{"role": "user", "content": %s}]}', 400),
+        (
+            "/v1/chat/completions",
+            '{"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}',
+            400,
+        ),  # fmt: skip
+        ("/v1/completions", '{"model": "smollm2", "prompt": %s}', 400),
+        ("/v1/completions", '{"model": "smollm2", "prompt": [%s]}', 400),
+        ("/v1/feedback", '{"response_id": "chatcmpl-x", "correction": %s}', 400),
+        ("/v1/chat/completions", '{"model": %s, "messages": [{"role": "user", "content": "hi"}]}', 404),  # quoted
+    ],
+)
+def test_lone_surrogates_are_4xx(server, path, body, status):
+    assert_openai_error(post_raw(server, body % LONE_SURROGATE, path), status)
     assert_still_serving(server)
 
 

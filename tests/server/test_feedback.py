@@ -198,7 +198,7 @@ def test_comment_metadata_and_client_id_are_kept_and_shown(server):
     seq = int(answer["id"].removeprefix("fb-"))
     shown = {"id": f"fb-{seq}", "object": "feedback", "response_id": served.id, "kind": "negative", "rating": -1,
              "comment": "Wrong city.", "metadata": meta, "feedback_id": body["feedback_id"], "state": "queued",
-             "trained_version": None, "skip_reason": None}  # fmt: skip
+             "trained_version": None, "skip_reason": None, "quarantine_reason": None}  # fmt: skip
     assert answer == shown | {"created": True, "created_at": answer["created_at"]}
     assert abs(answer["created_at"] - time.time()) < 60
     # GET by the server's id and by the client's: the same entry (this server does not train: it stays queued).

@@ -4,6 +4,7 @@ rollback. (tests/server/test_online.py runs the same loop end to end on the real
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -182,3 +183,81 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
     assert greedy() == at_first != at_second
     with pytest.raises(KeyError):
         trainer.rollback(12345)
+
+
+def test_a_rollback_waits_for_the_batch_in_training_and_keeps_it(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 4)
+    while trainer._job is None:  # the first batch starts
+        trainer.run_slice()
+    done = []
+    rolling_back = threading.Thread(target=lambda: done.append(trainer.rollback(0)))
+    rolling_back.start()
+    time.sleep(0.2)
+    assert not done, "the rollback waits for the batch in training"
+    while not done:  # the step loop goes on; the batch ends, is checkpointed, then the rollback goes
+        trainer.run_slice()
+        time.sleep(0.001)
+    rolling_back.join()
+    first, rollback = checkpoints.versions()
+    assert first.metrics["seqs"] == seqs[:2] and rollback.metrics == {"rollback_of": 0}
+    assert done == [rollback.version] and rollback.version == first.version + 1
+    assert trainer.position == seqs[1] == rollback.log_position  # the batch counts as trained
+    drain(trainer)
+    assert [v.metrics.get("seqs") for v in checkpoints.versions()][-1] == seqs[2:4]  # training goes on from there
+
+
+def test_rollbacks_faster_than_a_batch_do_not_stall_training(engine, tmp_path):
+    """A rollback every few slices (51 in 40 s stalled a server's training entirely when each dropped the batch in
+    progress): every batch is still trained, each once."""
+    trainer, log, checkpoints = online(engine, tmp_path)
+    seqs = serve_and_log(engine, log, 6)
+    stop = threading.Event()
+
+    def roll_back_again_and_again() -> None:
+        while not stop.is_set():
+            trainer.rollback(0)
+            time.sleep(0.005)
+
+    hammer = threading.Thread(target=roll_back_again_and_again)
+    hammer.start()
+    try:
+        drain(trainer)
+    finally:
+        stop.set()
+        hammer.join()
+    trained = [v.metrics["seqs"] for v in checkpoints.versions() if "seqs" in v.metrics]
+    assert trained == [seqs[0:2], seqs[2:4], seqs[4:6]]
+
+
+def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(engine, tmp_path):
+    """The poisoning guard on the queue: a correction whose loss spikes (its level set far below any loss) is
+    quarantined in the log before the update, the rest of its batch (served answers rated 1, another level) trains
+    without it, the position moves past it, it stays held across a restart, and once released it trains next,
+    unchecked."""
+    trainer, log, checkpoints = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    prompts = random_prompts([12, 15, 18], seed=3)
+    ids = dict(output_token_ids=[5, 6], adapter_version=0, recorded=False)
+    rated = [log.append(response_id=f"u{i}", kind="sft", rating=1, prompt_token_ids=p, response_token_ids=[5, 6],
+                        **ids)[0].seq for i, p in enumerate(prompts[:2])]  # fmt: skip
+    poison, _ = log.append(response_id="c", kind="sft", correction="?", prompt_token_ids=prompts[2],
+                           response_token_ids=[9, 9, 9], **ids)  # fmt: skip
+    guard = trainer.guard.levels["correction"]
+    guard.level, guard.seen = 1e-6, guard.warmup  # every correction's loss is a spike now; answers rated 1 are not
+    drain(trainer)
+    held = log.get(poison.seq)
+    assert (held.state, held.quarantine_reason.split(" >")[0]) == ("quarantined", f"loss {held.quarantine_loss:.3g}")
+    [version] = checkpoints.versions()
+    assert version.metrics["seqs"] == rated and version.metrics["objectives"]["sft"] == 2
+    assert version.log_position == poison.seq == trainer.position  # held: settled for now
+    assert trainer.stats.quarantined == 1 and all(p.grad is None for p in trainer.adapter.parameters())
+
+    restarted, _, _ = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    guard = restarted.guard.levels["correction"]
+    guard.level, guard.seen = 1e-6, guard.warmup
+    assert not restarted.has_work() and restarted.quarantine.is_held(poison.seq)
+    assert restarted.quarantine.release([poison.seq]) == [poison.seq]
+    assert restarted.quarantine.list()[0]["released"]
+    drain(restarted)
+    assert [v.metrics["seqs"] for v in checkpoints.versions()][-1] == [poison.seq]  # exempt from the guard
+    assert log.get(poison.seq).state == "trained" and restarted.quarantine.list() == []

@@ -171,7 +171,8 @@ async function sendFeedback(turn, body, label) {
 function showState(view, entry) {
   const state = entry.state || "queued";
   const text = state === "trained" ? `trained in v${entry.trained_version}`
-    : state === "skipped" ? `skipped${entry.skip_reason ? `: ${entry.skip_reason}` : ""}` : "queued";
+    : state === "skipped" ? `skipped${entry.skip_reason ? `: ${entry.skip_reason}` : ""}`
+    : state === "quarantined" ? "held for review (its loss looked wrong)" : "queued";
   view.el.className = `state ${state}`;
   view.el.dataset.state = state;
   view.el.textContent = `${view.label} · ${text}`;
