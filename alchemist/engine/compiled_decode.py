@@ -28,6 +28,7 @@ intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -133,6 +134,7 @@ class CompiledDecode:
         )
         self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
         self.num_steps = 0  # decode steps run compiled (tests, profiles)
+        self.warm_up_s = 0.0  # how long the warm-up (the compile) took
 
     @classmethod
     def create(cls, model: Llama, cache: KVCache, setting: bool | None, packed: bool) -> CompiledDecode | None:
@@ -170,7 +172,10 @@ class CompiledDecode:
     def warm_up(self, ops) -> None:
         """Compiles before serving: batch 1, then batch 2, whose recompile makes the batch dimension dynamic (every
         later size reuses it). Writes position 0 of slots 0 and 1, which nothing holds yet."""
+        start = time.perf_counter()
         for batch in (1, 2):
             zeros = torch.zeros(batch, dtype=torch.long, device=self.model.device)
             slots = torch.arange(batch, device=zeros.device) % self.cache.num_slots
             self.forward(zeros, zeros, slots, 0, ops)
+        self.num_steps = 0
+        self.warm_up_s = time.perf_counter() - start

@@ -64,6 +64,12 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.warm_up(self.ops)
 
+    def describe_decode(self) -> str:
+        """How decode steps run, for the server's start-up line."""
+        if self.compiled is None:
+            return "decode steps run eager"
+        return f"decode steps run compiled (torch.compile; warm-up {self.compiled.warm_up_s:.1f} s)"
+
     def set_adapter(self, adapter: ServedAdapter | None, version: int, merged: MergedLinearOps | None = None) -> None:
         """Serves ``adapter`` from the next forward on (the engine calls it between steps only), with ``merged``,
         its merge made beforehand (``new_merge``), or else a merge that starts over, a layer per step."""

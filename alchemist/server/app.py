@@ -323,6 +323,7 @@ def run_server(
     _say_who_may_connect(server_config)
     async_engine: AsyncEngine = app.state.async_engine
     print(app_urls(server_config), flush=True)
+    print(f"alchemist: {async_engine.engine.runner.describe_decode()}", flush=True)
     http = threading.Thread(target=serve_http, name="uvicorn")
     http.start()
     try:
