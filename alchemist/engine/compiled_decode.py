@@ -27,8 +27,12 @@ intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +45,8 @@ from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.rope import Rotation, apply_rotary
 from alchemist.model.seam import LINEAR_NAMES
+
+log = logging.getLogger(__name__)
 
 
 class LayerWeights(NamedTuple):
@@ -106,7 +112,13 @@ def decode_layer(
     return h + _linear(F.silu(gate) * up, w.down, None, s.hidden_size, s)
 
 
-_compiled_layer = torch.compile(decode_layer, fullgraph=True)
+@functools.cache
+def _compiled_layer(shape: LayerShape, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """``decode_layer`` compiled for one model's shape and dtype, shared by its engines. Each gets a code object of
+    its own: dynamo keeps its graphs per code object, under a limit of 8, and a process that builds engines of several
+    models (tests, a library user) would reach it; one model needs two (batch 1, and the dynamic batch)."""
+    code = decode_layer.__code__.replace()  # a new, equal code object
+    return torch.compile(types.FunctionType(code, decode_layer.__globals__, decode_layer.__name__), fullgraph=True)
 
 
 def compiled_decode_supported(cache: KVCache) -> bool:
@@ -132,6 +144,7 @@ class CompiledDecode:
         self.shape = LayerShape(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps, packed
         )
+        self._layer = _compiled_layer(self.shape, model.dtype)
         self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
         self.num_steps = 0  # decode steps run compiled (tests, profiles)
         self.warm_up_s = 0.0  # how long the warm-up (the compile) took
@@ -142,6 +155,24 @@ class CompiledDecode:
             return None
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
         return cls(model, cache, packed)
+
+    @classmethod
+    def create_warm(
+        cls, model: Llama, cache: KVCache, setting: bool | None, packed: bool, ops
+    ) -> CompiledDecode | None:
+        """``create`` and ``warm_up``; where the compile fails (no C++ compiler for inductor, ...), a warning and
+        None, so that the engine serves eager, unless compiling was asked for (``setting`` True)."""
+        decode = cls.create(model, cache, setting, packed)
+        if decode is None:
+            return None
+        try:
+            decode.warm_up(ops)
+        except Exception as e:
+            if setting is True:
+                raise
+            log.warning("the decode step could not be compiled (%s: %s); serving eager", type(e).__name__, e)
+            return None
+        return decode
 
     def weights(self, ops) -> list[LayerWeights]:
         """Each layer's weights as ``ops`` projects with them (``Ops.linear_weight``), built once per ops object."""
@@ -164,7 +195,7 @@ class CompiledDecode:
         h = F.embedding(input_ids, model.embed)
         rot = model.rope(positions, h.dtype, max_position)
         for i, w in enumerate(self.weights(ops)):
-            h = _compiled_layer(h, rot, slots, positions, w, self.cache.k[i], self.cache.v[i], self.shape)
+            h = self._layer(h, rot, slots, positions, w, self.cache.k[i], self.cache.v[i], self.shape)
         self.num_steps += 1
         return h
 

@@ -60,9 +60,7 @@ class ModelRunner:
             self._packed_lm_head = pack(model.lm_head)
         # All-decode batches that record nothing run the compiled layer where it applies; it compiles here, before
         # serving starts, in the thread that steps.
-        self.compiled = CompiledDecode.create(model, self.cache, config.compile_decode, self._packed)
-        if self.compiled is not None:
-            self.compiled.warm_up(self.ops)
+        self.compiled = CompiledDecode.create_warm(model, self.cache, config.compile_decode, self._packed, self.ops)
 
     def describe_decode(self) -> str:
         """How decode steps run, for the server's start-up line."""

@@ -40,7 +40,7 @@ def test_compiled_fp32_greedy_tokens_equal_eager(smollm2, chat_prompts):
     got = [o.output_token_ids for o in compiled.generate(prompts, PARAMS)]
     assert got == want
     # every request decoded through it, at batch sizes 1-8, with no compile beyond the warm-up's
-    assert compiled.runner.compiled.num_steps >= PARAMS.max_tokens
+    assert compiled.runner.compiled.num_steps >= PARAMS.max_tokens - 1  # the longest request's decodes at least
     assert counters["stats"]["unique_graphs"] == before
 
 
