@@ -115,8 +115,10 @@ def main() -> None:
             while trainer._job is not None:
                 trainer.run_slice()
         engine.step()  # the new adapter is applied when the engine is idle
-        print(json.dumps({"round": round_, "steps": trainer.stats.steps - steps0, "train_s": round(time.perf_counter() - t0, 1),
-                          "loss": trainer.stats.last_loss, "anchor_kl": trainer.stats.last_anchor_kl}), flush=True)  # fmt: skip
+        train_s = round(time.perf_counter() - t0, 1)
+        print(json.dumps({"round": round_, "steps": trainer.stats.steps - steps0, "train_s": train_s,
+                          "loss": trainer.stats.last_loss, "anchor_kl": trainer.stats.last_anchor_kl}),
+              flush=True)  # fmt: skip
     learned = len(FACTS) - len(pending)
     after_unrelated = [a[2] for a in ask(unrelated, 32, offer=False)]
     unchanged = sum(a == b for a, b in zip(before_unrelated, after_unrelated, strict=True))
@@ -127,7 +129,8 @@ def main() -> None:
     rise = math.exp(taught - base) - 1
     print(json.dumps({"overrides": overrides, "others": args.others, "learned": learned, "of": len(FACTS),
                       "corrections": corrections, "steps": trainer.stats.steps, "perplexity_rise": round(rise, 4),
-                      "unrelated_unchanged": unchanged, "unchanged_first_16": unchanged_16, "of_unrelated": len(unrelated),
+                      "unrelated_unchanged": unchanged, "unchanged_first_16": unchanged_16,
+                      "of_unrelated": len(unrelated),
                       "train_total_s": round(trainer.stats.train_s, 1),
                       "wall_s": round(time.perf_counter() - t_start, 1)}), flush=True)  # fmt: skip
 

@@ -56,7 +56,8 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
 def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
-    config = OnlineConfig(**{"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, **overrides})
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, **overrides}
+    config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 
 
