@@ -99,7 +99,11 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train", action="store_true", help="log feedback but train nothing")
     p.add_argument("--train-batch-size", type=int, default=d.batch_size, help="feedback samples per optimizer step")
     p.add_argument("--train-max-wait-s", type=float, default=d.max_wait_s, help="train a partial batch after this wait")
-    p.add_argument("--train-epochs", type=int, default=d.epochs, help="optimizer steps over each mini-batch")
+    p.add_argument("--train-epochs", type=int, default=d.epochs, help="optimizer steps over each mini-batch, at most")
+    p.add_argument(
+        "--train-target-loss", type=float, default=d.target_loss,
+        help="a mini-batch's steps end once every correction's loss is under this (0: always --train-epochs)",
+    )  # fmt: skip
     p.add_argument("--train-lr", type=float, default=d.lr)
     p.add_argument("--train-max-staleness", type=int, default=d.max_staleness, help="adapter versions a record may lag")
     p.add_argument("--train-no-replay", action="store_true", help="recompute every prompt (baseline)")
@@ -182,6 +186,7 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         batch_size=args.train_batch_size,
         max_wait_s=args.train_max_wait_s,
         epochs=args.train_epochs,
+        target_loss=args.train_target_loss,
         lr=args.train_lr,
         max_staleness=args.train_max_staleness,
         replay=not args.train_no_replay,

@@ -159,7 +159,10 @@ class OnlineConfig:
     enabled: bool = True  # False: feedback is still logged, nothing trains
     batch_size: int = 8  # feedback samples per optimizer step
     max_wait_s: float = 10.0  # train a smaller batch once its oldest feedback waited this long
-    epochs: int = 1  # optimizer steps over each mini-batch (a correction seen once is rarely learned)
+    epochs: int = 1  # optimizer steps over each mini-batch at most (fewer once its corrections reach target_loss)
+    # Steps on a mini-batch go on (up to ``epochs``) while a correction's loss (mean per token) is above this;
+    # 0: always ``epochs`` steps.
+    target_loss: float = 0.0
     lr: float = 2e-4
     max_grad_norm: float = 1.0
     max_staleness: int = 4  # adapter versions a record may lag behind and still be replayed (0: exact only)
@@ -237,6 +240,8 @@ class OnlineConfig:
             raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
+        if not self.target_loss >= 0:
+            raise ValueError(f"target_loss must be >= 0 (got {self.target_loss!r})")
         if not self.max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0 (got {self.max_wait_s!r})")
         if not self.lr > 0:

@@ -248,6 +248,8 @@ class OnlineTrainer:
             self.trainer.update()
             self.stats.steps += 1
             yield
+            if self._reached_target(samples, results):
+                break
         self.stats.last_loss = losses[-1]
         self.stats.last_anchor_kl = kls[-1] if anchors else None
         # The batch's own time: its slices (serving steps ran in between), all but this last short one.
@@ -261,7 +263,7 @@ class OnlineTrainer:
             "losses": by_objective,  # the last epoch's mean loss of each objective's samples
             "samples": len(feedback),
             "objectives": {"sft": len(feedback.sft), "kto": len(feedback.kto), "dpo": len(feedback.dpo)},
-            "epochs": self.config.epochs,
+            "epochs": len(losses),
             "response_tokens": tokens,
             "seqs": seqs,
             "anchors": len(anchors),
@@ -289,6 +291,13 @@ class OnlineTrainer:
             self.stats.quarantined += self.quarantine.hold(entries[seq], reason, loss)
         self.queue.changed()
         return True
+
+    def _reached_target(self, samples: list[Sample], results: list[tuple[float, bool]]) -> bool:
+        """Whether the batch's steps may end here: every correction's loss in this step (before its update) was
+        under ``target_loss`` (with no target, never: all ``epochs`` steps run)."""
+        target = self.config.target_loss
+        return bool(target) and all(loss < target for s, (loss, _) in zip(samples, results, strict=False)
+                                    if s.term is None)  # fmt: skip
 
     def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
         """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them

@@ -56,7 +56,8 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
 def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
-    config = OnlineConfig(**{"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "lr": 1e-2, **overrides})
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, **overrides}
+    config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 
 
@@ -77,6 +78,17 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
     assert (trainer.stats.replayed, trainer.stats.recomputed) == (9, 1)
     assert trainer.stats.staleness_sum == 2 * (0 + 1) + 2 * (2 + 3) + 4  # versions behind, over replayed records
     assert not trainer.has_work()
+
+
+def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path, epochs=40, batch_size=3, target_loss=5.0)
+    serve_and_log(engine, log, 3)
+    drain(trainer)
+    metrics = checkpoints.latest().metrics
+    assert metrics["first_epoch_loss"] > 5.0  # a random model: about ln(256)
+    assert 1 < metrics["epochs"] < 40  # it stopped at the first step whose losses were all under the target
+    assert metrics["losses"]["sft"] < 5.0
+    assert trainer.version == metrics["epochs"]  # a step per epoch run
 
 
 def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
