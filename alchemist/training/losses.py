@@ -30,10 +30,22 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def kl_to_targets(logits: torch.Tensor, targets: Targets) -> torch.Tensor:
-    """Mean over positions of sum_j p_j (log p_j - log q_j), j over the targets' top-k tokens; logits (R, vocab)."""
+    """Mean over positions of KL(reference || adapted) over the targets' top-k tokens and one more outcome, "any
+    other token" (the rest of each distribution's mass): the KL of the two distributions coarsened to k + 1
+    outcomes, so never negative and zero only where they agree on it. The top-k terms alone are not a divergence: a
+    large anchor weight rewarded moving mass onto the k tokens (docs/benchmarks.md, "Learning a correction with
+    the defaults"). logits (R, vocab)."""
     logq = log_probs(logits)
     logp = targets.logprobs.to(logq.dtype)
-    return (logp.exp() * (logp - logq.gather(-1, targets.ids))).sum(-1).mean()
+    top = (logp.exp() * (logp - logq.gather(-1, targets.ids))).sum(-1)
+    # The mass outside the top-k: the reference's from its kept log-probs, the adapted model's from its other
+    # tokens (the kept ones masked by the lowest finite value, so that a k as large as the vocabulary stays finite).
+    p_rest = 1.0 - logp.exp().sum(-1)
+    logq_rest = logq.scatter(-1, targets.ids, torch.finfo(logq.dtype).min).logsumexp(-1)
+    some = p_rest > 1e-6  # below: rounding error of a top-k that holds (nearly) all the mass
+    p_rest = torch.where(some, p_rest, 1.0)
+    rest = torch.where(some, p_rest * (p_rest.log() - logq_rest), 0.0)
+    return (top + rest).mean()
 
 
 def response_loss(

@@ -35,6 +35,8 @@ from tests.server.test_online import FACTS, held_out_nll, held_out_replies
 
 
 def parse_value(text: str):
+    if "," in text:
+        return tuple(t for t in text.split(",") if t)
     for cast in (int, float):
         try:
             return cast(text)
@@ -100,6 +102,7 @@ def main() -> None:
         print(json.dumps({"round": round_ - 1, "facts_held_new": len(right), "pending": len(pending),
                           "answers": [a[3][:60] for a in answers][:3]}), flush=True)  # fmt: skip
         if round_ > args.rounds:
+            pending = [i for i in pending if i not in right]
             break
         for i, (rid, prompt, output, _) in zip(pending, answers, strict=True):
             if i in right:

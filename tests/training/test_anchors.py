@@ -21,7 +21,7 @@ from tests.training.test_online import drain, online, serve_and_log
 from tests.training.test_replay import grads_of, lora_with_nonzero_b, max_rel_l2
 
 
-def test_kl_to_targets_is_the_kl_over_the_kept_tokens():
+def test_kl_to_targets_is_the_kl_of_the_top_k_and_the_rest():
     g = torch.Generator().manual_seed(0)
     ref, logits = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
     full = F.log_softmax(ref, -1)
@@ -29,8 +29,20 @@ def test_kl_to_targets_is_the_kl_over_the_kept_tokens():
     expected = F.kl_div(F.log_softmax(logits, -1), full, log_target=True, reduction="sum") / 5
     assert kl_to_targets(logits, everything).item() == pytest.approx(expected.item(), rel=1e-5)
     assert kl_to_targets(ref, everything).item() == pytest.approx(0.0, abs=1e-6)  # no distance to itself
+    # Top 8: the KL of the distributions coarsened to those 8 tokens and "any other" (a 9th outcome).
     top = full.topk(8, -1)
-    assert 0 < kl_to_targets(logits, Targets(top.indices, top.values)).item() < expected.item() + 1  # a part of it
+    q = F.softmax(logits, -1)
+    p9 = torch.cat([top.values.exp(), 1 - top.values.exp().sum(-1, keepdim=True)], -1)
+    q_top = q.gather(-1, top.indices)
+    q9 = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], -1)
+    coarse = (p9 * (p9.log() - q9.log())).sum(-1).mean()
+    got = kl_to_targets(logits, Targets(top.indices, top.values))
+    assert got.item() == pytest.approx(coarse.item(), rel=1e-5)
+    assert 0 < got.item() < expected.item()  # coarsening loses information, never adds it
+    # Moving mass onto the kept tokens is no longer rewarded: the reference itself is the minimum.
+    sharpened = ref.scatter_add(-1, top.indices, torch.full((5, 8), 3.0))
+    assert kl_to_targets(sharpened, Targets(top.indices, top.values)) > kl_to_targets(ref, Targets(top.indices, top.values))
+    assert kl_to_targets(ref, Targets(top.indices, top.values)).item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_reference_targets_are_the_base_models_top_k(tiny_dirs):
