@@ -99,6 +99,8 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train", action="store_true", help="log feedback but train nothing")
     p.add_argument("--train-batch-size", type=int, default=d.batch_size, help="feedback samples per optimizer step")
     p.add_argument("--train-max-wait-s", type=float, default=d.max_wait_s, help="train a partial batch after this wait")
+    p.add_argument("--train-key-share", type=float, default=d.key_share,
+                   help="most of a batch one API key takes while others' feedback waits (1: no cap)")  # fmt: skip
     p.add_argument("--train-epochs", type=int, default=d.epochs, help="optimizer steps over each mini-batch, at most")
     p.add_argument(
         "--train-target-loss", type=float, default=d.target_loss,
@@ -185,6 +187,7 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         enabled=not args.no_train,
         batch_size=args.train_batch_size,
         max_wait_s=args.train_max_wait_s,
+        key_share=args.train_key_share,
         epochs=args.train_epochs,
         target_loss=args.train_target_loss,
         lr=args.train_lr,

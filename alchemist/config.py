@@ -158,6 +158,9 @@ class OnlineConfig:
 
     enabled: bool = True  # False: feedback is still logged, nothing trains
     batch_size: int = 8  # feedback samples per optimizer step
+    # One API key's entries take at most this share of a batch's places while other keys' feedback waits (its
+    # excess waits for later batches, never dropped; with no one else waiting it fills the batch). 1: no cap.
+    key_share: float = 0.5
     max_wait_s: float = 10.0  # train a smaller batch once its oldest feedback waited this long
     epochs: int = 1  # optimizer steps over each mini-batch at most (fewer once its corrections reach target_loss)
     # Steps on a mini-batch go on (up to ``epochs``) while a correction's loss (mean per token) is above this;
@@ -218,6 +221,11 @@ class OnlineConfig:
     skip_ratings_after_s: float = 1800.0
     skip_corrections_after_s: float = 0.0
 
+    @property
+    def per_key(self) -> int | None:
+        """The most places of a batch one key takes while others wait (None: no cap)."""
+        return None if self.key_share >= 1.0 else max(1, int(self.key_share * self.batch_size))
+
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
         for name in ("sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight", "kto_undesirable_weight",
@@ -240,6 +248,8 @@ class OnlineConfig:
             raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
+        if not 0.0 < self.key_share <= 1.0:
+            raise ValueError(f"key_share must be in (0, 1] (got {self.key_share!r})")
         if not self.target_loss >= 0:
             raise ValueError(f"target_loss must be >= 0 (got {self.target_loss!r})")
         if not self.max_wait_s >= 0:

@@ -20,7 +20,9 @@ from alchemist.training.online import OnlineTrainer
 from tests.engine.helpers import random_prompts, run_to_end
 
 
-def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) -> list[int]:
+def serve_and_log(
+    engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0, key_name: str | None = None
+) -> list[int]:
     """Serves ``num`` prompts (recorded) and logs a correction of each; returns the entries' seqs."""
     prompts = random_prompts([20 + 3 * i for i in range(num)], seed=seed)
     for i, prompt in enumerate(prompts):
@@ -38,6 +40,7 @@ def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) 
             output_token_ids=out.output_token_ids,
             adapter_version=engine.adapter_version,
             recorded=True,
+            key_name=key_name,
         )
         assert created
         seqs.append(entry.seq)
@@ -89,6 +92,18 @@ def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_pa
     assert 1 < metrics["epochs"] < 40  # it stopped at the first step whose losses were all under the target
     assert metrics["losses"]["sft"] < 5.0
     assert trainer.version == metrics["epochs"]  # a step per epoch run
+
+
+def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1)
+    flood = serve_and_log(engine, log, 6, seed=1, key_name="mallory")
+    alice = serve_and_log(engine, log, 1, seed=2, key_name="alice")
+    drain(trainer)
+    batches = [v.metrics["seqs"] for v in checkpoints.versions()]
+    # Two places each while alice waits; her one left a place free, which the flood's next entry filled; the rest
+    # of it waited for the next batch, none dropped.
+    assert batches == [[*flood[:2], *alice, flood[2]], flood[3:6]]
+    assert {e.state for e in log.read()} == {"trained"}
 
 
 def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
