@@ -269,6 +269,15 @@ class FeedbackLog:
             ).fetchall()
         return [_entry(r) for r in rows]
 
+    def trained_corrections(self, limit: int) -> list[FeedbackEntry]:
+        """The ``limit`` corrections trained most recently (the facts people taught), newest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL ORDER BY seq DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
     def entries(self, state: str | None = None, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
         """Up to ``limit`` entries (in ``state``, if given) with seq > ``after_seq``, oldest first."""
         where = "seq > ?" + ("" if state is None else " AND state = ?")

@@ -59,7 +59,9 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
 def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
-    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, **overrides}
+    # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, "gate": False,
+              **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 
@@ -110,7 +112,7 @@ def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, batch_size=4, max_wait_s=3600.0)
     serve_and_log(engine, log, 1)
     assert not trainer.has_work()  # one of four, and it has waited less than an hour
-    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0)
+    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0, gate=False)
     assert trainer.has_work()
 
 
