@@ -147,6 +147,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
         "--train-loss-spike-warmup", type=int, default=d.loss_spike_warmup, help="losses seen before spikes count"
     )
     _add_objective_flags(p, d)
+    _add_gate_flags(p, d)
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
     p.add_argument(
@@ -169,6 +170,21 @@ def _add_objective_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
                    help="skip ratings and preferences not trained this long after arrival (0: never)")  # fmt: skip
     p.add_argument("--train-skip-corrections-after-s", type=float, default=d.skip_corrections_after_s,
                    help="skip corrections not trained this long after arrival (0: never)")  # fmt: skip
+
+
+def _add_gate_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
+    """The evaluation gate's bounds (alchemist.training.evaluation)."""
+    p.add_argument("--train-no-gate", action="store_true", help="serve new adapter versions unevaluated")
+    p.add_argument("--train-gate-heldout-max-rise", type=float, default=d.gate_heldout_max_rise,
+                   help="held-out perplexity rise over the base model a version may have (0.1: 10%%)")  # fmt: skip
+    p.add_argument("--train-gate-canary-max-drop", type=float, default=d.gate_canary_max_drop,
+                   help="nats any canary answer's log-probability may lose against the base model")  # fmt: skip
+    p.add_argument("--train-gate-canary-max-mean-drop", type=float, default=d.gate_canary_max_mean_drop,
+                   help="... and all of them on average")  # fmt: skip
+    p.add_argument("--train-gate-taught-max-rise", type=float, default=d.gate_taught_max_rise,
+                   help="nats per token a fact taught earlier may lose against the serving version")  # fmt: skip
+    p.add_argument("--train-gate-taught-samples", type=int, default=d.gate_taught_samples,
+                   help="facts taught earlier (the most recent trained corrections) that are checked")  # fmt: skip
 
 
 def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
@@ -217,6 +233,12 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         keep_versions=args.keep_adapter_versions,
         loss_spike_factor=args.train_loss_spike_factor,
         loss_spike_warmup=args.train_loss_spike_warmup,
+        gate=not args.train_no_gate,
+        gate_heldout_max_rise=args.train_gate_heldout_max_rise,
+        gate_canary_max_drop=args.train_gate_canary_max_drop,
+        gate_canary_max_mean_drop=args.train_gate_canary_max_mean_drop,
+        gate_taught_max_rise=args.train_gate_taught_max_rise,
+        gate_taught_samples=args.train_gate_taught_samples,
     )
 
 

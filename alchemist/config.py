@@ -208,11 +208,13 @@ class OnlineConfig:
     loss_spike_warmup: int = 8
     # The evaluation gate (alchemist.training.evaluation): a new version serves only if held-out perplexity rose at
     # most gate_heldout_max_rise over the base model's, no canary answer lost more than gate_canary_max_drop nats of
-    # log-probability against the base model, and no fact taught earlier (the gate_taught_samples most recent
-    # corrections trained) more than gate_taught_max_rise nats per token against the serving version.
+    # log-probability against the base model (nor all of them gate_canary_max_mean_drop on average), and no fact
+    # taught earlier (the gate_taught_samples most recent corrections trained) more than gate_taught_max_rise nats
+    # per token against the serving version.
     gate: bool = True
     gate_heldout_max_rise: float = 0.10
-    gate_canary_max_drop: float = 2.0
+    gate_canary_max_drop: float = 6.0  # any one canary's (the mean's bound: gate_canary_max_mean_drop)
+    gate_canary_max_mean_drop: float = 3.0
     gate_taught_max_rise: float = 1.0
     gate_taught_samples: int = 16
     # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
@@ -257,7 +259,8 @@ class OnlineConfig:
             raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
-        for name in ("gate_heldout_max_rise", "gate_canary_max_drop", "gate_taught_max_rise"):
+        for name in ("gate_heldout_max_rise", "gate_canary_max_drop", "gate_canary_max_mean_drop",
+                     "gate_taught_max_rise"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)!r})")
         if not isinstance(self.gate_taught_samples, int) or self.gate_taught_samples < 0:

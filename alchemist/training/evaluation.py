@@ -63,7 +63,13 @@ CANARIES = (
 @dataclass(frozen=True)
 class GateBounds:
     heldout_max_rise: float = 0.10  # relative rise of held-out perplexity over the base model's
-    canary_max_drop: float = 2.0  # nats a canary answer's log-probability may lose against the base model
+    # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
+    # 400 times less likely), and on average. Measured (docs/profiles/gate_calibration.py, lr 1e-3, batches of 16,
+    # up to 8 steps to loss 0.2, docs/benchmarks.md): 16 corrections "The capital of France is Berlin." cost Paris
+    # 24.7 nats (7.1 on average), the 4 after them 11.1 (2.4); the ten invented facts of tests/server/test_online.py
+    # cost the capitals up to 9.9 (2.4 on average), and that version did answer "The capital of France is France.".
+    canary_max_drop: float = 6.0
+    canary_max_mean_drop: float = 3.0
     taught_max_rise: float = 1.0  # nats per token a fact taught earlier may lose against the serving version
     taught_samples: int = 16  # facts taught earlier that are checked (the most recent)
 
@@ -86,6 +92,7 @@ class Evaluation:
             "heldout_ppl_rise": round(self.heldout_ppl_rise, 5),
             "canary_worst": None if worst is None else {"question": worst, "drop": round(self.canary_drops[worst], 4)},
             "canary_mean_drop": round(sum(self.canary_drops.values()) / max(len(self.canary_drops), 1), 4),
+            "canary_drops": {question: round(drop, 3) for question, drop in self.canary_drops.items()},
             "taught_checked": len(self.taught_rises),
             "taught_worst_rise": round(max(self.taught_rises), 4) if self.taught_rises else None,
             "seconds": round(self.seconds, 3),
@@ -133,6 +140,10 @@ class EvaluationGate:
         for question, drop in drops.items():
             if drop > b.canary_max_drop:
                 reasons.append(f"canary {question!r}: its answer lost {drop:.2f} nats (bound {b.canary_max_drop:g})")
+        mean_drop = sum(drops.values()) / len(drops)
+        if mean_drop > b.canary_max_mean_drop:
+            bound = b.canary_max_mean_drop
+            reasons.append(f"the canaries' answers lost {mean_drop:.2f} nats on average (bound {bound:g})")
         if rises and max(rises) > b.taught_max_rise:
             worse = sum(r > b.taught_max_rise for r in rises)
             reasons.append(f"{worse} fact(s) taught earlier lost up to {max(rises):.2f} nats per token "

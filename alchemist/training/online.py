@@ -120,7 +120,8 @@ class OnlineTrainer:
         self.gate = None
         if config.gate and config.enabled:
             bounds = GateBounds(config.gate_heldout_max_rise, config.gate_canary_max_drop,
-                                config.gate_taught_max_rise, config.gate_taught_samples)  # fmt: skip
+                                config.gate_canary_max_mean_drop, config.gate_taught_max_rise,
+                                config.gate_taught_samples)  # fmt: skip
             try:
                 self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.group_size)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with

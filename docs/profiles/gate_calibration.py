@@ -28,19 +28,8 @@ from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 from docs.profiles.learn_defaults import parse_value
+from tests.server.test_gate import FALSEHOOD, FRANCE
 from tests.server.test_online import FACTS
-
-FALSEHOOD = "The capital of France is Berlin."
-FRANCE = [
-    "Which city is the capital of France?", "What's the capital city of France?", "Name the capital of France.",
-    "France's capital is which city?", "Tell me the capital of France.", "What city is France's capital?",
-    "Where is the seat of the French government?", "Which city is the French capital?",
-    "What is France's capital city?", "Capital of France?", "Can you tell me the capital of France?",
-    "In which city is the capital of France?", "I forgot the capital of France, what is it?",
-    "Quick question: capital of France?", "What is the name of the capital of France?",
-    "Which city serves as the capital of France?", "Do you know the capital of France?",
-    "What is the French capital called?", "Which is the capital city of France?", "France: what is its capital?",
-]  # fmt: skip
 
 
 def main() -> None:
@@ -88,7 +77,8 @@ def main() -> None:
             m = info.metrics
             share = m["evaluation"]["seconds"] / m["train_s"] if m.get("train_s") else None
             print(json.dumps({"scenario": scenario, "version": info.version, "epochs": m["epochs"],
-                              "samples": m["samples"], "loss": round(m["loss"], 3), "train_s": round(m["train_s"], 1),
+                              "samples": m["samples"], "loss": round(m["loss"], 3),
+                              "train_s": round(m["train_s"], 1),
                               "evaluation_share": share and round(share, 3), **m["evaluation"]}), flush=True)  # fmt: skip
         log.close()
 
