@@ -99,6 +99,8 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train", action="store_true", help="log feedback but train nothing")
     p.add_argument("--train-batch-size", type=int, default=d.batch_size, help="feedback samples per optimizer step")
     p.add_argument("--train-max-wait-s", type=float, default=d.max_wait_s, help="train a partial batch after this wait")
+    p.add_argument("--train-key-share", type=float, default=d.key_share,
+                   help="most of a batch one API key takes while others' feedback waits (1: no cap)")  # fmt: skip
     p.add_argument("--train-epochs", type=int, default=d.epochs, help="optimizer steps over each mini-batch, at most")
     p.add_argument(
         "--train-target-loss", type=float, default=d.target_loss,
@@ -145,6 +147,7 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
         "--train-loss-spike-warmup", type=int, default=d.loss_spike_warmup, help="losses seen before spikes count"
     )
     _add_objective_flags(p, d)
+    _add_gate_flags(p, d)
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
     p.add_argument(
@@ -169,6 +172,21 @@ def _add_objective_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
                    help="skip corrections not trained this long after arrival (0: never)")  # fmt: skip
 
 
+def _add_gate_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
+    """The evaluation gate's bounds (alchemist.training.evaluation)."""
+    p.add_argument("--train-no-gate", action="store_true", help="serve new adapter versions unevaluated")
+    p.add_argument("--train-gate-heldout-max-rise", type=float, default=d.gate_heldout_max_rise,
+                   help="held-out perplexity rise over the base model a version may have (0.1: 10%%)")  # fmt: skip
+    p.add_argument("--train-gate-canary-max-drop", type=float, default=d.gate_canary_max_drop,
+                   help="nats any canary answer's log-probability may lose against the base model")  # fmt: skip
+    p.add_argument("--train-gate-canary-max-mean-drop", type=float, default=d.gate_canary_max_mean_drop,
+                   help="... and all of them on average")  # fmt: skip
+    p.add_argument("--train-gate-taught-max-rise", type=float, default=d.gate_taught_max_rise,
+                   help="nats per token a fact taught earlier may lose against the serving version")  # fmt: skip
+    p.add_argument("--train-gate-taught-samples", type=int, default=d.gate_taught_samples,
+                   help="facts taught earlier (the most recent trained corrections) that are checked")  # fmt: skip
+
+
 def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
     """How many samples train together (serve and bench online)."""
     p.add_argument("--train-group-size", type=int, default=d.group_size, help="samples trained together in one pass")
@@ -185,6 +203,7 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         enabled=not args.no_train,
         batch_size=args.train_batch_size,
         max_wait_s=args.train_max_wait_s,
+        key_share=args.train_key_share,
         epochs=args.train_epochs,
         target_loss=args.train_target_loss,
         lr=args.train_lr,
@@ -214,6 +233,12 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         keep_versions=args.keep_adapter_versions,
         loss_spike_factor=args.train_loss_spike_factor,
         loss_spike_warmup=args.train_loss_spike_warmup,
+        gate=not args.train_no_gate,
+        gate_heldout_max_rise=args.train_gate_heldout_max_rise,
+        gate_canary_max_drop=args.train_gate_canary_max_drop,
+        gate_canary_max_mean_drop=args.train_gate_canary_max_mean_drop,
+        gate_taught_max_rise=args.train_gate_taught_max_rise,
+        gate_taught_samples=args.train_gate_taught_samples,
     )
 
 

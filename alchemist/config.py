@@ -158,6 +158,9 @@ class OnlineConfig:
 
     enabled: bool = True  # False: feedback is still logged, nothing trains
     batch_size: int = 8  # feedback samples per optimizer step
+    # One API key's entries take at most this share of a batch's places while other keys' feedback waits (its
+    # excess waits for later batches, never dropped; with no one else waiting it fills the batch). 1: no cap.
+    key_share: float = 0.5
     max_wait_s: float = 10.0  # train a smaller batch once its oldest feedback waited this long
     epochs: int = 1  # optimizer steps over each mini-batch at most (fewer once its corrections reach target_loss)
     # Steps on a mini-batch go on (up to ``epochs``) while a correction's loss (mean per token) is above this;
@@ -203,6 +206,17 @@ class OnlineConfig:
     # test_poisoning.py, where the factor is 3).
     loss_spike_factor: float = 4.0
     loss_spike_warmup: int = 8
+    # The evaluation gate (alchemist.training.evaluation): a new version serves only if held-out perplexity rose at
+    # most gate_heldout_max_rise over the base model's, no canary answer lost more than gate_canary_max_drop nats of
+    # log-probability against the base model (nor all of them gate_canary_max_mean_drop on average), and no fact
+    # taught earlier (the gate_taught_samples most recent corrections trained) more than gate_taught_max_rise nats
+    # per token against the serving version.
+    gate: bool = True
+    gate_heldout_max_rise: float = 0.10
+    gate_canary_max_drop: float = 6.0  # any one canary's (the mean's bound: gate_canary_max_mean_drop)
+    gate_canary_max_mean_drop: float = 3.0
+    gate_taught_max_rise: float = 1.0
+    gate_taught_samples: int = 16
     # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
     # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
     sft_weight: float = 1.0
@@ -217,6 +231,11 @@ class OnlineConfig:
     # says why); corrections are skipped after skip_corrections_after_s (0: never). 0 disables either.
     skip_ratings_after_s: float = 1800.0
     skip_corrections_after_s: float = 0.0
+
+    @property
+    def per_key(self) -> int | None:
+        """The most places of a batch one key takes while others wait (None: no cap)."""
+        return None if self.key_share >= 1.0 else max(1, int(self.key_share * self.batch_size))
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "epochs", "group_size", "lora_r", "keep_versions")
@@ -240,6 +259,14 @@ class OnlineConfig:
             raise ValueError(f"loss_spike_factor must be >= 0 (got {self.loss_spike_factor!r})")
         if not self.anchor_weight >= 0:
             raise ValueError(f"anchor_weight must be >= 0 (got {self.anchor_weight!r})")
+        for name in ("gate_heldout_max_rise", "gate_canary_max_drop", "gate_canary_max_mean_drop",
+                     "gate_taught_max_rise"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive (got {getattr(self, name)!r})")
+        if not isinstance(self.gate_taught_samples, int) or self.gate_taught_samples < 0:
+            raise ValueError(f"gate_taught_samples must be an integer >= 0 (got {self.gate_taught_samples!r})")
+        if not 0.0 < self.key_share <= 1.0:
+            raise ValueError(f"key_share must be in (0, 1] (got {self.key_share!r})")
         if not self.target_loss >= 0:
             raise ValueError(f"target_loss must be >= 0 (got {self.target_loss!r})")
         if not self.max_wait_s >= 0:

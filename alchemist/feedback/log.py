@@ -49,7 +49,7 @@ CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'pref
 _INSERTED = (  # the columns append() binds, in its order (the state's defaults apply)
     "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
     "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
-    "comment", "feedback_id", "metadata",
+    "comment", "feedback_id", "metadata", "key_name",
 )  # fmt: skip
 _INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join('?' * len(_INSERTED))})"
 
@@ -81,6 +81,7 @@ class FeedbackEntry:
     quarantine_loss: float | None = None  # its loss then (None for NaN)
     quarantined_s: float | None = None
     released_s: float | None = None  # when an admin released it (it trains next, unchecked)
+    key_name: str | None = None  # the API key that gave it (None: no keys, or logged before keys were kept)
 
 
 def idempotency_key(
@@ -150,6 +151,7 @@ class FeedbackLog:
         comment: str | None = None,
         feedback_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        key_name: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
         """Writes an entry (durably) unless one with the same submission exists; returns (entry, created)."""
         if kind not in KINDS:
@@ -178,6 +180,7 @@ class FeedbackLog:
             comment,
             feedback_id,
             None if metadata is None else json.dumps(metadata, ensure_ascii=False),
+            key_name,
         )
         with self._lock:
             # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
@@ -252,13 +255,25 @@ class FeedbackLog:
             ).fetchall()
         return [_entry(r) for r in rows]
 
-    def next_queued(self, limit: int) -> list[FeedbackEntry]:
+    def next_queued(self, limit: int, per_key: int | None = None) -> list[FeedbackEntry]:
         """Up to ``limit`` queued entries in training order: released ones first (an admin is waiting for them),
-        then corrections, then the rest, oldest first."""
+        then corrections, then the rest, oldest first. With ``per_key``, each key's first ``per_key`` entries in
+        that order come before any key's further ones (which fill what the others leave free), so one key takes at
+        most ``per_key`` places while others' feedback waits (entries without a key count as one key)."""
+        order = f"released_s IS NULL, {CLASS} != 'correction', seq"
         with self._lock:
             rows = self._conn.execute(
-                f"SELECT * FROM feedback WHERE state = 'queued' "
-                f"ORDER BY released_s IS NULL, {CLASS} != 'correction', seq LIMIT ?",
+                f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
+                f"AS nth FROM feedback WHERE state = 'queued') ORDER BY nth > ?, {order} LIMIT ?",
+                (per_key if per_key is not None else limit, limit),
+            ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def trained_corrections(self, limit: int) -> list[FeedbackEntry]:
+        """The ``limit`` corrections trained most recently (the facts people taught), newest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL ORDER BY seq DESC LIMIT ?",
                 (limit,),
             ).fetchall()
         return [_entry(r) for r in rows]
@@ -408,4 +423,5 @@ def _entry(row: sqlite3.Row) -> FeedbackEntry:
         quarantine_loss=row["quarantine_loss"],
         quarantined_s=row["quarantined_s"],
         released_s=row["released_s"],
+        key_name=row["key_name"],
     )

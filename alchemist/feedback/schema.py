@@ -11,13 +11,15 @@ the online trainer settles those it had passed before (``OnlineTrainer.restore``
 "quarantined" (the poisoning guard holds the entry out of training until an admin releases it,
 ``alchemist.training.quarantine``) and its columns: ``quarantine_reason``, ``quarantine_loss``, ``quarantined_s``,
 ``released_s``. A state's CHECK cannot be altered in place: a version-2 table is rebuilt (``_rebuild``), seqs kept.
+Version 4 adds ``key_name``: the name of the API key that gave the entry (NULL: no keys configured, or logged
+before version 4), so that the trainer can cap one key's share of a batch.
 """
 
 from __future__ import annotations
 
 import sqlite3
 
-VERSION = 3
+VERSION = 4
 STATES = ("queued", "trained", "skipped", "quarantined")
 
 TABLE = """
@@ -51,6 +53,7 @@ ADDED_COLUMNS = {
     "quarantine_loss": "REAL",  # the loss it had then (NULL for NaN)
     "quarantined_s": "REAL",
     "released_s": "REAL",  # when an admin released it: it trains next, unchecked
+    "key_name": "TEXT",  # the API key that gave it (its name in the keys file)
 }
 INDEXES = (
     # A client's feedback_id names one entry; most entries have none.

@@ -46,5 +46,6 @@ class AdapterService:
             created=int(v.created_s),
             serving=v.version == serving,
             log_position=v.log_position,
+            promoted=v.promoted,
             metrics=v.metrics,
         )

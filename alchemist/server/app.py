@@ -222,9 +222,9 @@ def app_for_engine(
     if online_config.enabled:
         trainer = OnlineTrainer(engine, feedback_log, checkpoints, online_config)  # resumes from its checkpoint
         metrics.watch_training(trainer)
-    elif (latest := checkpoints.latest()) is not None:  # training off: serve the version training left
-        adapter, _, _ = checkpoints.load(latest.version, engine.model.config, engine.model.device)
-        engine.set_adapter(adapter, latest.version)
+    elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
+        adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
+        engine.set_adapter(adapter, serving.version)
     async_engine = AsyncEngine(
         engine,
         on_outputs=metrics.observe,

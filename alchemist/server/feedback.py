@@ -40,9 +40,12 @@ class FeedbackService:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def submit(self, req: p.FeedbackRequest, owner: str | None = None) -> p.FeedbackResponse:
+    def submit(
+        self, req: p.FeedbackRequest, owner: str | None = None, key_name: str | None = None
+    ) -> p.FeedbackResponse:
         """Blocks until the entry is on disk (an fsync): call it from a worker thread, not the event loop.
-        ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys)."""
+        ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys);
+        ``key_name``: the caller's key, logged with the entry (the trainer caps each key's share of a batch)."""
         check_owner(self.registry, owner, req.response_id, req.preferred_over)
         key = idempotency_key(
             req.response_id, req.rating, req.correction, req.preferred_over, req.comment, req.metadata, req.feedback_id
@@ -76,6 +79,7 @@ class FeedbackService:
             comment=req.comment,
             feedback_id=req.feedback_id,
             metadata=req.metadata,
+            key_name=key_name,
         )
         return self._repeat(entry, req) if not created else _response(entry, created)
 

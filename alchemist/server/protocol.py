@@ -398,7 +398,10 @@ class AdapterInfo(OpenAIModel):
     created: int
     serving: bool  # the version the engine serves now
     log_position: int  # the feedback log's seq up to which this version has trained
-    metrics: dict[str, Any]  # its training step's loss, samples, tokens, ... (or {"rollback_of": v})
+    # False: the evaluation gate kept it from serving (metrics["evaluation"]["reason"] says why); a rollback to it
+    # serves it anyway (an admin's call).
+    promoted: bool = True
+    metrics: dict[str, Any]  # its training step's loss, samples, tokens, evaluation, ... (or {"rollback_of": v})
 
 
 class AdapterList(OpenAIModel):

@@ -73,7 +73,7 @@ async def completions(body: CompletionRequest, request: Request, caller: Caller 
 @router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 413, 429))
 def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(feedback_giver)) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
-    return request.app.state.feedback.submit(body, None if caller.admin else caller.name)
+    return request.app.state.feedback.submit(body, None if caller.admin else caller.name, caller.name)
 
 
 @router.get("/v1/feedback", responses=errors(400, 401, 403))

@@ -63,6 +63,12 @@ class VersionInfo:
     metrics: dict[str, Any]
     path: Path  # the version's directory
 
+    @property
+    def promoted(self) -> bool:
+        """Whether it served (or serves): the evaluation gate passed it, or there was none (a rollback's version, a
+        version from before the gate)."""
+        return bool(self.metrics.get("evaluation", {}).get("promoted", True))
+
 
 class AdapterCheckpoints:
     def __init__(self, directory: Path | str, keep: int, base_model_name_or_path: str | None = None) -> None:
@@ -91,6 +97,10 @@ class AdapterCheckpoints:
         if latest is None:
             return []
         return [self._info(v) for v in self._version_dirs() if v <= latest]
+
+    def serving(self) -> VersionInfo | None:
+        """The newest promoted version (the one to serve; see ``VersionInfo.promoted``), or None."""
+        return next((v for v in reversed(self.versions()) if v.promoted), None)
 
     def load(
         self, version: int, model_config: ModelConfig, device: torch.device | str = "cpu"
@@ -239,10 +249,13 @@ class AdapterCheckpoints:
         fsync_path(self.directory)
 
     def _prune(self) -> None:
+        """Keeps the newest ``keep`` versions, and the newest promoted one (it serves, however many versions the
+        evaluation gate kept from serving since)."""
         latest = self._latest_version()
         committed = [v for v in self._version_dirs() if latest is not None and v <= latest]
+        serving = next((v for v in reversed(committed) if self._info(v).promoted), None)
         for version in committed[: -self.keep]:
-            if version != latest:
+            if version not in (latest, serving):
                 self._discard(self.directory / version_dir_name(version))
         fsync_path(self.directory)
 

@@ -1,7 +1,9 @@
 """What the online trainer trains next: the log's queued feedback in training order, and the backlog policy.
 
 Training order: corrections first (what someone took the time to write is what users check was learned), then
-ratings and preferences, oldest first in each. The queue is the log itself (entries whose state is "queued"), so a
+ratings and preferences, oldest first in each; one API key takes at most ``key_share`` of a batch while other keys'
+feedback waits (a flood from one key neither crowds the others out nor makes a batch its own alone; its excess
+trains in later batches). The queue is the log itself (entries whose state is "queued"), so a
 restart, a failed batch or a rollback needs no bookkeeping here: what was not settled is simply queued still.
 
 Every acknowledged entry ends settled: trained (the trainer marks its batch after the checkpoint), or skipped with
@@ -71,7 +73,7 @@ class FeedbackQueue:
         while self._stale:
             self._stale = False
             head, empty = [], []
-            for entry in self.log.next_queued(self.config.batch_size):
+            for entry in self.log.next_queued(self.config.batch_size, self.config.per_key):
                 it = item(entry, self.config.thumbs_up)
                 if it is None:
                     empty.append(entry.seq)

@@ -50,6 +50,7 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.evaluation import EvaluationGate, GateBounds
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
@@ -77,6 +78,8 @@ class OnlineStats:
     anchor_replayed: int = 0
     last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
     quarantined: int = 0  # entries held by the poisoning guard (alchemist.training.quarantine)
+    unpromoted: int = 0  # versions the evaluation gate kept from serving
+    evaluation_s: float = 0.0  # time spent in the gate's slices (alchemist.training.evaluation)
 
 
 class OnlineTrainer:
@@ -114,6 +117,15 @@ class OnlineTrainer:
         self.stats = OnlineStats(skipped=self.queue.skipped)
         self.quarantine = Quarantine(log, on_release=self.queue.changed)
         self.guard = PoisoningGuard(config.loss_spike_factor, config.loss_spike_warmup)
+        self.gate = None
+        if config.gate and config.enabled:
+            bounds = GateBounds(config.gate_heldout_max_rise, config.gate_canary_max_drop,
+                                config.gate_canary_max_mean_drop, config.gate_taught_max_rise,
+                                config.gate_taught_samples)  # fmt: skip
+            try:
+                self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.group_size)
+            except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
+                logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
@@ -130,12 +142,14 @@ class OnlineTrainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return
-        self._load(latest.version)
+        served = self._load_serving()
         self.adapter.version = latest.version
         self.position = self.queue.seen = latest.log_position
-        self.engine.set_adapter(self.adapter, latest.version)
+        if served:
+            self.engine.set_adapter(self.adapter, served)
         self._settle_checkpointed()
-        logger.info("online trainer: resumed at adapter version %d, log position %d", latest.version, self.position)
+        logger.info("online trainer: resumed serving adapter version %d (newest %d), log position %d", served,
+                    latest.version, self.position)  # fmt: skip
 
     def _settle_checkpointed(self) -> None:
         """The log's states catch up with the checkpoints: the entries a kept version trained (the log is told
@@ -143,12 +157,27 @@ class OnlineTrainer:
         position, which only a log from before states were kept has (its trainer trained "sft" entries and passed
         the other kinds over)."""
         for info in self.checkpoints.versions():
-            self.log.mark_trained(info.metrics.get("seqs", []), info.version)
+            if info.promoted:
+                self.log.mark_trained(info.metrics.get("seqs", []), info.version)
+            else:
+                for entry in filter(None, map(self.log.get, info.metrics.get("seqs", []))):
+                    reason = _unpromoted(info.version, info.metrics["evaluation"]["reason"])
+                    self.quarantine.hold(entry, reason, info.metrics.get("loss", float("nan")))
         passed = self.log.queued_seqs(through_seq=self.position)
         self.log.mark_trained([seq for seq, kind in passed if kind == "sft"], None)
         for kind in {kind for _, kind in passed if kind != "sft"}:
             seqs = [seq for seq, k in passed if k == kind]
             self.log.mark_skipped(seqs, f"logged before the trainer trained {kind!r} feedback")
+
+    def _load_serving(self) -> int:
+        """The trainer's adapter and optimizer state become the newest promoted version's (the one that serves: a
+        version the evaluation gate kept from serving is not trained on); returns its number (0: the base model)."""
+        serving = self.checkpoints.serving()
+        if serving is None:
+            self._load_initial()
+            return 0
+        self._load(serving.version)
+        return serving.version
 
     def _load(self, version: int) -> None:
         model = self.engine.model
@@ -209,12 +238,8 @@ class OnlineTrainer:
         self.queue.changed()
         self.trainer.optimizer.zero_grad(set_to_none=True)
         latest = self.checkpoints.latest()
-        if latest is not None:
-            self._load(latest.version)
-            self.adapter.version = latest.version
-        else:
-            self._load_initial()
-            self.adapter.version = 0
+        self._load_serving()
+        self.adapter.version = 0 if latest is None else latest.version
 
     def _load_initial(self) -> None:
         """The adapter as it starts (B = 0: it serves exactly the base model's outputs), a fresh optimizer."""
@@ -232,6 +257,11 @@ class OnlineTrainer:
         anchors = yield from self._anchor_samples()
         losses, kls, tokens, by_objective = [], [], 0, {}
         self._job_s = 0.0
+        facts, taught_before, gate_s = [], [], self.gate.seconds if self.gate is not None else 0.0
+        if self.gate is not None:  # the facts taught earlier, on the serving state (this batch's start)
+            facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
+                self.gate.bounds.taught_samples)]  # fmt: skip
+            taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         for epoch in range(self.config.epochs):
             samples, scales = yield from feedback.samples_slices(self.engine.model, self.adapter)
             passes = samples + anchors
@@ -254,8 +284,14 @@ class OnlineTrainer:
         self.stats.last_anchor_kl = kls[-1] if anchors else None
         # The batch's own time: its slices (serving steps ran in between), all but this last short one.
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
-        yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
-        yield
+        evaluation = None
+        if self.gate is not None:
+            evaluation = yield from self.gate.evaluate_slices(self.adapter, facts, taught_before)
+            evaluation.seconds = self.gate.seconds - gate_s  # its start-of-batch part too
+            self.stats.evaluation_s = self.gate.seconds
+        if evaluation is None or evaluation.promoted:
+            yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
+            yield
         seqs = [entry.seq for entry, _ in batch]
         metrics = {
             "loss": losses[-1],
@@ -268,12 +304,23 @@ class OnlineTrainer:
             "seqs": seqs,
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
+            "train_s": self._job_s,  # the batch's slices, the evaluation's included
         }
+        if evaluation is not None:
+            metrics["evaluation"] = evaluation.as_dict()
         state = self.trainer.optimizer.state_dict()
         position = self.log.settled_through(excluding=seqs)
         yield from self.checkpoints.save_slices(self.version, self.adapter, state, position, metrics)
         self.position = position
-        self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
+        if evaluation is None or evaluation.promoted:
+            self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
+        else:  # kept, a rollback target, but not served nor trained on: its entries are held for an admin
+            logger.warning("adapter version %d not promoted: %s", self.version, evaluation.reason)
+            self.stats.unpromoted += 1
+            for entry, _ in batch:
+                reason = _unpromoted(self.version, evaluation.reason)
+                self.stats.quarantined += self.quarantine.hold(entry, reason, losses[-1])
+            self._load_serving()  # the trainer goes on from the serving version (its number stays: numbers grow)
         self.queue.changed()
 
     def _hold_suspects(
@@ -364,6 +411,10 @@ class OnlineTrainer:
                 self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
             )
             return self.version
+
+
+def _unpromoted(version: int, reason: str) -> str:
+    return f"adapter version {version}, which trained it, was not promoted: {reason}"
 
 
 def _mean_by_objective(samples: list[Sample], results: list[tuple[float, bool]]) -> dict[str, float]:

@@ -235,6 +235,36 @@ def test_a_quarantined_entry_is_settled_for_now_and_released_first_in_line(log: 
     assert log.quarantined() == [] and log.get(seqs[0]).trained_version == 4
 
 
+def test_one_key_takes_at_most_its_share_while_others_wait_and_fills_the_rest(log: FeedbackLog):
+    """A flood from one key: each other key's entries get their places first, the flood's excess waits in line
+    (still queued, never dropped) and fills what is left; entries without a key count as one key."""
+    flood = [log.append(**submission(f"m{i}", correction="Wrong.", key_name="mallory"))[0].seq for i in range(6)]
+    alice = [log.append(**submission(f"a{i}", key_name="alice"))[0].seq for i in range(2)]
+    anonymous = log.append(**submission("n0"))[0].seq
+    assert log.get(flood[0]).key_name == "mallory" and log.get(anonymous).key_name is None
+    assert [e.seq for e in log.next_queued(4)] == flood[:4]  # no cap: corrections first, oldest first
+    assert [e.seq for e in log.next_queued(4, per_key=2)] == [*flood[:2], *alice]
+    assert [e.seq for e in log.next_queued(8, per_key=2)] == [*flood[:2], *alice, anonymous, *flood[2:5]]
+    log.mark_trained([*flood[:2], *alice, anonymous], 1)
+    assert [e.seq for e in log.next_queued(4, per_key=2)] == flood[2:]  # nobody else waits: the flood fills it
+
+
+def test_a_version_3_file_gains_the_key_name(tmp_path: Path):
+    path = tmp_path / "feedback.sqlite"
+    log = FeedbackLog(path)
+    seq = log.append(**submission("r0"))[0].seq
+    log._conn.execute("ALTER TABLE feedback DROP COLUMN key_name")
+    log._conn.execute("PRAGMA user_version = 3")
+    log.close()
+    log = FeedbackLog(path)
+    try:
+        assert log.get(seq).key_name is None and log.get(seq).state == "queued"
+        assert log.append(**submission("r1", key_name="bob"))[0].key_name == "bob"
+        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 4
+    finally:
+        log.close()
+
+
 VERSION_1_TABLE = """
 CREATE TABLE feedback (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, response_id TEXT NOT NULL,

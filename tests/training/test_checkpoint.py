@@ -94,6 +94,21 @@ def test_only_the_newest_keep_versions_stay(tmp_path):
     assert entries(tmp_path) == ["LATEST", "v000006"]
 
 
+def test_the_serving_version_is_the_newest_promoted_and_is_never_pruned(tmp_path):
+    """Versions the evaluation gate kept from serving pile up after the one that serves: it stays, whatever keep."""
+    adapter, state = trained(seed=1)
+    checkpoints = AdapterCheckpoints(tmp_path, keep=2)
+    checkpoints.save(1, adapter, state, log_position=1, metrics={"evaluation": {"promoted": True}})
+    checkpoints.save(2, adapter, state, log_position=2, metrics={})  # from before the gate: promoted
+    assert checkpoints.serving().version == 2
+    for version in range(3, 7):
+        checkpoints.save(version, adapter, state, log_position=version, metrics={"evaluation": {"promoted": False}})
+    assert [v.version for v in checkpoints.versions()] == [2, 5, 6] and checkpoints.serving().version == 2
+    assert [v.promoted for v in checkpoints.versions()] == [True, False, False]
+    checkpoints.save(7, adapter, state, log_position=7, metrics={"rollback_of": 5})  # an admin's: promoted
+    assert [v.version for v in checkpoints.versions()] == [6, 7] and checkpoints.serving().version == 7
+
+
 def test_bad_arguments_are_refused(tmp_path):
     adapter, state = trained(seed=2)
     with pytest.raises(ValueError, match="keep"):

@@ -20,7 +20,9 @@ from alchemist.training.online import OnlineTrainer
 from tests.engine.helpers import random_prompts, run_to_end
 
 
-def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) -> list[int]:
+def serve_and_log(
+    engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0, key_name: str | None = None
+) -> list[int]:
     """Serves ``num`` prompts (recorded) and logs a correction of each; returns the entries' seqs."""
     prompts = random_prompts([20 + 3 * i for i in range(num)], seed=seed)
     for i, prompt in enumerate(prompts):
@@ -38,6 +40,7 @@ def serve_and_log(engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0) 
             output_token_ids=out.output_token_ids,
             adapter_version=engine.adapter_version,
             recorded=True,
+            key_name=key_name,
         )
         assert created
         seqs.append(entry.seq)
@@ -56,7 +59,9 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
 def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
-    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, **overrides}
+    # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, "gate": False,
+              **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 
@@ -91,11 +96,23 @@ def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_pa
     assert trainer.version == metrics["epochs"]  # a step per epoch run
 
 
+def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1)
+    flood = serve_and_log(engine, log, 6, seed=1, key_name="mallory")
+    alice = serve_and_log(engine, log, 1, seed=2, key_name="alice")
+    drain(trainer)
+    batches = [v.metrics["seqs"] for v in checkpoints.versions()]
+    # Two places each while alice waits; her one left a place free, which the flood's next entry filled; the rest
+    # of it waited for the next batch, none dropped.
+    assert batches == [[*flood[:2], *alice, flood[2]], flood[3:6]]
+    assert {e.state for e in log.read()} == {"trained"}
+
+
 def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, batch_size=4, max_wait_s=3600.0)
     serve_and_log(engine, log, 1)
     assert not trainer.has_work()  # one of four, and it has waited less than an hour
-    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0)
+    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0, gate=False)
     assert trainer.has_work()
 
 

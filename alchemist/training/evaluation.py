@@ -1,0 +1,192 @@
+"""The evaluation gate: a new adapter version serves only if it stays within bounds on three fixed measures.
+
+    gate = EvaluationGate(model, tokenizer, GateBounds(), group_size=4)
+    before = yield from gate.taught_slices(adapter, facts)       # before the batch's first update: the serving state
+    ...                                                          # the batch trains the adapter
+    evaluation = yield from gate.evaluate_slices(adapter, facts, before)
+    evaluation.promoted, evaluation.reason, evaluation.as_dict()
+
+The measures, each against a reference computed without training:
+
+- held-out perplexity: the perplexity of eight ShareGPT replies nobody here trains on (``heldout_sharegpt.json``:
+  first turns of ``sample_requests(40, seed=5, mode="first_turn", max_prompt_tokens=80, max_reply_tokens=80)``
+  with replies of 24+ tokens, none of the e2e test's held-out set) may rise at most ``heldout_max_rise`` over the
+  base model's: the broad damage a batch does;
+- canaries: well-known facts the base model answers right. Each is a question, the start of its answer and the
+  answer's words ("What is the capital of France?", "The capital of France is", " Paris"); the log-probability of
+  the answer's words after the start, under the base model, may drop at most ``canary_max_drop`` nats. Not greedy
+  text: any training changes the greedy text of long answers (the lead measured most of them flipped), while the
+  answer's log-probability moves only when the fact itself is taught otherwise;
+- facts taught earlier: the corrections already trained (the most recent ``taught_samples``); the loss (mean NLL
+  per token) of each may rise at most ``taught_max_rise`` over the serving version's (measured at the start of the
+  batch), so a batch cannot quietly unteach what people corrected before.
+
+Cost: forwards without gradient of about 1,000 tokens (held-out 8 x ~55, canaries 16 x ~30, taught facts up to 16
+x ~40, the latter twice), in slices of one layer of ``group_size`` sequences each (``sequence_logps_slices``), so
+serving waits for one slice at most. The base model's side is computed once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from alchemist.model.llama import Adapter, Llama
+from alchemist.model.tokenizer import Tokenizer
+from alchemist.training.recompute import sequence_logps_slices
+
+HELDOUT_FILE = Path(__file__).with_name("heldout_sharegpt.json")
+T = TypeVar("T")
+
+# (question, the answer's start, the answer's words): facts SmolLM2-135M-Instruct gives the answer to with
+# probability 0.3 or more after the start (tests/training/test_evaluation.py checks it).
+CANARIES = (
+    ("What is the capital of France?", "The capital of France is", " Paris"),
+    ("What is the capital of Japan?", "The capital of Japan is", " Tokyo"),
+    ("What is the capital of Germany?", "The capital of Germany is", " Berlin"),
+    ("What is the capital of Spain?", "The capital of Spain is", " Madrid"),
+    ("What is the capital of the United Kingdom?", "The capital of the United Kingdom is", " London"),
+    ("What is the largest planet in our solar system?", "The largest planet in our solar system is", " Jupiter"),
+    ("How many legs does a spider have?", "A spider has", " eight"),
+    ("Who wrote Romeo and Juliet?", "Romeo and Juliet was written by", " William Shakespeare"),
+    ("What is the chemical formula of water?", "The chemical formula of water is", " H2O"),
+    ("What is the largest ocean on Earth?", "The largest ocean on Earth is the", " Pacific Ocean"),
+    ("What is the capital of Italy?", "The capital of Italy is", " Rome"),
+    ("What is the tallest mountain in the world?", "The tallest mountain in the world is", " Mount Everest"),
+)
+
+
+@dataclass(frozen=True)
+class GateBounds:
+    heldout_max_rise: float = 0.10  # relative rise of held-out perplexity over the base model's
+    # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
+    # 400 times less likely), and on average. Measured (docs/profiles/gate_calibration.py, lr 1e-3, batches of 16,
+    # up to 8 steps to loss 0.2, docs/benchmarks.md): 16 corrections "The capital of France is Berlin." cost Paris
+    # 24.7 nats (7.1 on average), the 4 after them 11.1 (2.4); the ten invented facts of tests/server/test_online.py
+    # cost the capitals up to 9.9 (2.4 on average), and that version did answer "The capital of France is France.".
+    canary_max_drop: float = 6.0
+    canary_max_mean_drop: float = 3.0
+    taught_max_rise: float = 1.0  # nats per token a fact taught earlier may lose against the serving version
+    taught_samples: int = 16  # facts taught earlier that are checked (the most recent)
+
+
+@dataclass
+class Evaluation:
+    promoted: bool
+    reason: str | None  # why not promoted
+    heldout_ppl_rise: float
+    canary_drops: dict[str, float]  # question -> nats lost against the base model (negative: gained)
+    taught_rises: list[float]  # per fact taught earlier: nats per token lost against the serving version
+    seconds: float = 0.0  # the evaluation's own time (its slices; the start-of-batch part included)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        worst = max(self.canary_drops, key=self.canary_drops.get) if self.canary_drops else None
+        return {
+            "promoted": self.promoted,
+            "reason": self.reason,
+            "heldout_ppl_rise": round(self.heldout_ppl_rise, 5),
+            "canary_worst": None if worst is None else {"question": worst, "drop": round(self.canary_drops[worst], 4)},
+            "canary_mean_drop": round(sum(self.canary_drops.values()) / max(len(self.canary_drops), 1), 4),
+            "canary_drops": {question: round(drop, 3) for question, drop in self.canary_drops.items()},
+            "taught_checked": len(self.taught_rises),
+            "taught_worst_rise": round(max(self.taught_rises), 4) if self.taught_rises else None,
+            "seconds": round(self.seconds, 3),
+            **self.extra,
+        }
+
+
+Pair = tuple[list[int], list[int]]  # (prompt ids, response ids)
+
+
+class EvaluationGate:
+    def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateBounds, group_size: int = 4):
+        self.model = model
+        self.bounds = bounds
+        self.group_size = group_size
+        chats = json.loads(HELDOUT_FILE.read_text())
+        self.heldout = [(tokenizer.apply_chat_template([{"role": "user", "content": c["user"]}]),
+                         tokenizer.encode_reply(c["assistant"])) for c in chats]  # fmt: skip
+        self.canaries = [(question, canary_pair(tokenizer, question, start, answer))
+                         for question, start, answer in CANARIES]  # fmt: skip
+        self._base: tuple[float, list[float]] | None = None  # held-out NLL per token, canary log-probs
+        self.seconds = 0.0  # time in this gate's slices so far (all evaluations)
+
+    def taught_slices(self, adapter: Adapter | None, facts: list[Pair]) -> Generator[None, None, list[float]]:
+        """The mean NLL per token of each fact under ``adapter``."""
+        logps = yield from self._timed(sequence_logps_slices(self.model, adapter, facts, self.group_size))
+        return [-logp / len(response) for logp, (_, response) in zip(logps, facts, strict=True)]
+
+    def evaluate_slices(
+        self, adapter: Adapter, facts: list[Pair], taught_before: list[float]
+    ) -> Generator[None, None, Evaluation]:
+        """The candidate ``adapter`` against the bounds; ``taught_before``: ``taught_slices`` of the serving state."""
+        t0 = self.seconds
+        base_nll, base_canaries = yield from self._base_values()
+        nll, canaries = yield from self._values(adapter)
+        taught = yield from self.taught_slices(adapter, facts)
+        rise = _exp(nll - base_nll) - 1.0
+        drops = {q: before - after
+                 for (q, _), before, after in zip(self.canaries, base_canaries, canaries, strict=True)}  # fmt: skip
+        rises = [after - before for before, after in zip(taught_before, taught, strict=True)]
+        reasons = []
+        b = self.bounds
+        if rise > b.heldout_max_rise:
+            reasons.append(f"held-out perplexity rose {rise:.1%} (bound {b.heldout_max_rise:.0%})")
+        for question, drop in drops.items():
+            if drop > b.canary_max_drop:
+                reasons.append(f"canary {question!r}: its answer lost {drop:.2f} nats (bound {b.canary_max_drop:g})")
+        mean_drop = sum(drops.values()) / len(drops)
+        if mean_drop > b.canary_max_mean_drop:
+            bound = b.canary_max_mean_drop
+            reasons.append(f"the canaries' answers lost {mean_drop:.2f} nats on average (bound {bound:g})")
+        if rises and max(rises) > b.taught_max_rise:
+            worse = sum(r > b.taught_max_rise for r in rises)
+            reasons.append(f"{worse} fact(s) taught earlier lost up to {max(rises):.2f} nats per token "
+                           f"(bound {b.taught_max_rise:g})")  # fmt: skip
+        reason = "; ".join(reasons) or None
+        return Evaluation(reason is None, reason, rise, drops, rises, self.seconds - t0)
+
+    def _base_values(self) -> Generator[None, None, tuple[float, list[float]]]:
+        if self._base is None:
+            self._base = yield from self._values(None)
+        return self._base
+
+    def _values(self, adapter: Adapter | None) -> Generator[None, None, tuple[float, list[float]]]:
+        pairs = self.heldout + [pair for _, pair in self.canaries]
+        logps = yield from self._timed(sequence_logps_slices(self.model, adapter, pairs, self.group_size))
+        heldout_tokens = sum(len(response) for _, response in self.heldout)
+        nll = -sum(logps[: len(self.heldout)]) / heldout_tokens
+        return nll, logps[len(self.heldout) :]
+
+    def _timed(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
+        """``slices``, its own time (not the serving steps between its slices) added to ``seconds``."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                next(slices)
+            except StopIteration as done:
+                self.seconds += time.perf_counter() - t0
+                return done.value
+            self.seconds += time.perf_counter() - t0
+            yield
+
+
+def canary_pair(tokenizer: Tokenizer, question: str, start: str, answer: str) -> Pair:
+    """(the question's prompt and the answer's start, the answer's words): the start is tokenized with the answer,
+    so the answer's tokens are the ones the model would produce after it."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    whole, lead = tokenizer.encode(start + answer), tokenizer.encode(start)
+    if whole[: len(lead)] != lead:  # a tokenizer that merges across the boundary: the answer on its own
+        return prompt + lead, tokenizer.encode(answer)
+    return prompt + lead, whole[len(lead) :]
+
+
+def _exp(x: float) -> float:
+    import math
+
+    return math.exp(min(x, 50.0))
