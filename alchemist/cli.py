@@ -123,6 +123,12 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
         help="training turns of up to this long while serving (ms)",
     )
     p.add_argument(
+        "--train-protect-energy",
+        type=float,
+        default=d.protect_energy,
+        help="share of ordinary chat's input directions the adapter may not read (0: off)",
+    )
+    p.add_argument(
         "--train-anchor-weight",
         type=float,
         default=d.anchor_weight,
@@ -215,6 +221,7 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         train_share=args.train_share,
         train_quantum_s=args.train_quantum_ms / 1000,
         anchor_weight=args.train_anchor_weight,
+        protect_energy=args.train_protect_energy,
         anchor_samples=args.train_anchor_samples,
         anchor_top_k=args.train_anchor_top_k,
         anchor_max_tokens=args.train_anchor_max_tokens,

@@ -53,6 +53,7 @@ from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.evaluation import EvaluationGate, GateBounds
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
+from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -126,6 +127,7 @@ class OnlineTrainer:
                 self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.group_size)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
+        self.protected: ProtectedSubspace | None = None  # computed before the first step (protect_energy > 0)
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
@@ -255,6 +257,12 @@ class OnlineTrainer:
         if feedback.kto or feedback.dpo:
             yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
+        if self.config.protect_energy and self.protected is None:
+            self.protected = yield from ProtectedSubspace.compute_slices(
+                self.engine.model, self.engine.tokenizer, self.adapter, self.config.protect_energy
+            )
+        if self.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
+            self.protected.project_(self.adapter)
         losses, kls, tokens, by_objective = [], [], 0, {}
         self._job_s = 0.0
         facts, taught_before, gate_s = [], [], self.gate.seconds if self.gate is not None else 0.0
@@ -276,6 +284,8 @@ class OnlineTrainer:
             tokens += sum(len(s.response_ids) for s in samples)
             yield
             self.trainer.update()
+            if self.protected is not None:
+                self.protected.project_(self.adapter)
             self.stats.steps += 1
             yield
             if self._reached_target(samples, results):

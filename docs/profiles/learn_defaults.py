@@ -126,13 +126,15 @@ def main() -> None:
     after_unrelated = [a[2] for a in ask(unrelated, 32, offer=False)]
     unchanged = sum(a == b for a, b in zip(before_unrelated, after_unrelated, strict=True))
     unchanged_16 = sum(a[:16] == b[:16] for a, b in zip(before_unrelated, after_unrelated, strict=True))
+    diverge_at = sorted(next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
+                        for a, b in zip(before_unrelated, after_unrelated, strict=True) if a != b)  # fmt: skip
     adapter = trainer.adapter
     base = held_out_nll(fp32.model, fp32.tokenizer, None).mean()
     taught = held_out_nll(fp32.model, fp32.tokenizer, adapter).mean()
     rise = math.exp(taught - base) - 1
     print(json.dumps({"overrides": overrides, "others": args.others, "learned": learned, "of": len(FACTS),
                       "corrections": corrections, "steps": trainer.stats.steps, "perplexity_rise": round(rise, 4),
-                      "unrelated_unchanged": unchanged, "unchanged_first_16": unchanged_16,
+                      "unrelated_unchanged": unchanged, "unchanged_first_16": unchanged_16, "diverge_at": diverge_at,
                       "of_unrelated": len(unrelated),
                       "train_total_s": round(trainer.stats.train_s, 1),
                       "wall_s": round(time.perf_counter() - t_start, 1)}), flush=True)  # fmt: skip

@@ -60,8 +60,10 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
+    # No protected directions: on a tiny random model they would only make its outputs harder to move, which
+    # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
     fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, "gate": False,
-              **overrides}  # fmt: skip
+              "protect_energy": 0.0, **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 
@@ -112,7 +114,7 @@ def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, batch_size=4, max_wait_s=3600.0)
     serve_and_log(engine, log, 1)
     assert not trainer.has_work()  # one of four, and it has waited less than an hour
-    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0, gate=False)
+    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0, gate=False, protect_energy=0.0)
     assert trainer.has_work()
 
 

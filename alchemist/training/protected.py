@@ -1,0 +1,102 @@
+"""Protected directions: the adapter learns a correction through what is particular to its inputs, not through
+the directions every ordinary input occupies.
+
+A LoRA changes a seam's output on an input x by B A x. Trained on a few corrections by itself, it moves the answers
+to everything else too: the inputs of ordinary chat share most of their directions with a correction's, so an A
+that reads a correction reads them as well (docs/benchmarks.md, "Learning a correction with the defaults": ten
+facts learned moved 30 of 30 unrelated greedy answers). Gradient projection memory (Saha et al., ICLR 2021) keeps
+an update orthogonal to the input subspace of what must not change: here, each seam's A is kept orthogonal to the
+principal directions of the inputs that seam sees on ordinary chat, those that hold ``energy`` of their second
+moment. Then A x, and with it B A x, is small for ordinary x whatever B learns, and large only for what ordinary
+inputs lack: the correction's own.
+
+- The ordinary chat: ``ordinary_sharegpt.json``, 64 ShareGPT conversations (first user turn and reply; none of
+  them in the tests' or the gate's sets). Each token's input row counts once, normalised to unit length: a few
+  rows (SmolLM2's first token) are hundreds of times longer than the rest and would otherwise be the subspace.
+- Computed once, in slices (a layer of the forward, then a layer's eigendecompositions), before the first
+  training step; then the adapter's A is projected, and again after every optimizer step (``project_``). Exact
+  replay is untouched: the projection is part of the update, not of the loss.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from pathlib import Path
+
+import torch
+
+from alchemist.model.llama import Llama
+from alchemist.model.lora import LoraAdapter
+from alchemist.model.tokenizer import Tokenizer
+from alchemist.training.recompute import responses_hidden_slices
+
+ORDINARY_FILE = Path(__file__).with_name("ordinary_sharegpt.json")
+
+
+class _Moments:
+    """An adapter that adds nothing and sums each seam's unit-normalised input rows' outer products."""
+
+    def __init__(self, seams: set[str]) -> None:
+        self.seams = seams
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> None:
+        key = f"{layer}_{name}"
+        if key in self.seams:
+            rows = torch.nn.functional.normalize(x.detach().float(), dim=-1)
+            self.sums[key] = self.sums.get(key, 0) + rows.t() @ rows
+        return None
+
+
+class ProtectedSubspace:
+    """Per seam of the adapter (its ``A`` keys), an orthonormal basis (in, k) of the protected directions."""
+
+    def __init__(self, bases: dict[str, torch.Tensor]) -> None:
+        self.bases = bases
+
+    @classmethod
+    def compute_slices(
+        cls, model: Llama, tokenizer: Tokenizer, adapter: LoraAdapter, energy: float, chats: list[dict] | None = None
+    ) -> Generator[None, None, ProtectedSubspace]:
+        """The subspace from ``chats`` (default: the ordinary ShareGPT conversations), a layer per slice."""
+        if not 0.0 < energy < 1.0:
+            raise ValueError(f"energy must be in (0, 1) (got {energy!r})")
+        chats = chats if chats is not None else json.loads(ORDINARY_FILE.read_text())
+        pairs = [(torch.tensor(_prompt(tokenizer, c["user"]), device=model.device),
+                  torch.tensor(tokenizer.encode_reply(c["assistant"]), device=model.device))
+                 for c in chats]  # fmt: skip
+        moments = _Moments(set(adapter.A.keys()))
+        with torch.no_grad():
+            for start in range(0, len(pairs), 16):
+                yield from responses_hidden_slices(model, moments, pairs[start : start + 16])  # type: ignore[arg-type]
+        bases = {}
+        for key, moment in moments.sums.items():
+            yield
+            bases[key] = principal_directions(moment, energy).to(adapter.A[key].device)
+        return cls(bases)
+
+    @torch.no_grad()
+    def project_(self, adapter: LoraAdapter) -> None:
+        """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T."""
+        for key, basis in self.bases.items():
+            a = adapter.A[key]
+            a.sub_(((a.float() @ basis) @ basis.t()).to(a.dtype))
+
+
+def _prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A user turn as the server prompts it; plain text for a tokenizer without a chat template (tiny test models)."""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    except ValueError:
+        return tokenizer.encode(text)
+
+
+def principal_directions(moment: torch.Tensor, energy: float) -> torch.Tensor:
+    """The fewest leading eigenvectors (columns) of a symmetric second-moment matrix holding ``energy`` of its
+    trace."""
+    values, vectors = torch.linalg.eigh(moment.double())
+    values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
+    held = values.cumsum(0) / values.sum()
+    k = int((held < energy).sum()) + 1
+    return vectors[:, :k].float().contiguous()

@@ -1,0 +1,113 @@
+"""Protected directions (alchemist.training.protected): the adapter's A is kept orthogonal to the principal
+directions of ordinary chat's inputs at each seam, so that what it learns barely moves ordinary inputs' outputs.
+Its learning effect on the real model is measured in docs/benchmarks.md ("Learning a correction with the
+defaults"); here: the directions hold the asked energy, the projection keeps A out of them through training, and
+ordinary inputs' deltas shrink with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from alchemist.model.loader import build_model
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.protected import ORDINARY_FILE, ProtectedSubspace, principal_directions
+from alchemist.training.recompute import responses_hidden
+from alchemist.training.slices import run_to_end
+from tests.training.test_online import drain, online, serve_and_log
+
+
+def test_principal_directions_hold_the_asked_energy():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(500, 12, generator=g) * torch.tensor([10.0, 5, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    moment = rows.t() @ rows
+    basis = principal_directions(moment, 0.8)
+    assert torch.allclose(basis.t() @ basis, torch.eye(basis.shape[1]), atol=1e-5)  # orthonormal
+    values = torch.linalg.eigvalsh(moment.double()).flip(0)
+    k = basis.shape[1]
+    assert values[:k].sum() / values.sum() >= 0.8 > values[: k - 1].sum() / values.sum()  # the fewest that do
+    assert principal_directions(moment, 0.999).shape[1] > k
+
+
+class _Tok:
+    """Plain-text prompts for a tiny model (no chat template): ``compute_slices`` falls back to ``encode``."""
+
+    def apply_chat_template(self, messages):
+        raise ValueError("no chat template")
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % 200 for c in text]
+
+    def encode_reply(self, text: str) -> list[int]:
+        return self.encode(text) + [2]
+
+
+def _chats(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "river", "stone", "blue", "cat", "tower", "seven", "song", "glass", "north", "field", "lamp"]
+    pick = lambda k: " ".join(words[i] for i in torch.randint(0, len(words), (k,), generator=g).tolist())  # noqa: E731
+    return [{"user": pick(6), "assistant": pick(10)} for _ in range(n)]
+
+
+def test_projection_removes_the_protected_directions_from_every_seam(tiny_dirs):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = LoraAdapter(model.config, seed=0)
+    protected = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9, _chats(12, 1)))
+    assert set(protected.bases) == set(adapter.A.keys())
+    protected.project_(adapter)
+    for key, basis in protected.bases.items():
+        assert 0 < basis.shape[1] < basis.shape[0]  # some directions protected, some left to learn in
+        assert (adapter.A[key] @ basis).abs().max() < 1e-5, key
+    with pytest.raises(ValueError):
+        run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 1.0, _chats(2, 1)))
+
+
+def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp_path):
+    # The online trainer with protection on (the default) and without: after the same batches, every seam's A
+    # is still out of the protected directions, and the adapter's delta on ordinary inputs is smaller than the
+    # unprotected adapter's (what the protection is for), while both trained (B moved).
+    protected_run, log, _ = online(engine, tmp_path / "p", protect_energy=0.9)
+    serve_and_log(engine, log, 4)
+    drain(protected_run)
+    plain_run, plain_log, _ = online(engine, tmp_path / "u")
+    for entry in log.read(after_seq=0):
+        fields = ("response_id", "kind", "rating", "correction", "prompt_token_ids", "response_token_ids",
+                  "output_token_ids", "adapter_version", "recorded")  # fmt: skip
+        plain_log.append(**{k: getattr(entry, k) for k in fields})
+    drain(plain_run)
+    subspace = protected_run.protected
+    assert subspace is not None and plain_run.protected is None
+    for key, basis in subspace.bases.items():
+        assert (protected_run.adapter.A[key] @ basis).abs().max() < 1e-4, key
+    assert all(b.abs().max() > 0 for b in protected_run.adapter.B.values())
+
+    # The deltas on ordinary chat's inputs (those the directions were taken from), at every seam.
+    inputs = _seam_inputs(engine.model, engine.tokenizer)
+    assert _delta_norm(protected_run.adapter, inputs) < 0.5 * _delta_norm(plain_run.adapter, inputs)
+
+
+class _Inputs:
+    """An adapter that adds nothing and keeps every seam's inputs."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> None:
+        self.rows.setdefault((layer, name), []).append(x.detach().clone())
+
+
+def _seam_inputs(model, tokenizer) -> dict[tuple[int, str], torch.Tensor]:
+    chats = json.loads(ORDINARY_FILE.read_text())[:16]
+    pairs = [(torch.tensor(tokenizer.encode(c["user"])), torch.tensor(tokenizer.encode_reply(c["assistant"])))
+             for c in chats]  # fmt: skip
+    capture = _Inputs()
+    with torch.no_grad():
+        responses_hidden(model, capture, pairs)
+    return {key: torch.cat(rows) for key, rows in capture.rows.items()}
+
+
+def _delta_norm(adapter: LoraAdapter, inputs: dict[tuple[int, str], torch.Tensor]) -> float:
+    with torch.no_grad():
+        return sum(float(adapter.delta(layer, name, x).norm()) for (layer, name), x in inputs.items())
