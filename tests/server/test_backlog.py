@@ -17,7 +17,7 @@ from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait
 NUM_CORRECTIONS, NUM_RATINGS, NUM_PAIRS = 12, 12, 4
 FLAGS = [
     *("--max-num-seqs", "8", "--max-model-len", "256", "--record-policy", "requested"),
-    *("--train-batch-size", "4", "--train-max-wait-s", "0.5", "--keep-adapter-versions", "100"),
+    *("--train-batch-size", "4", "--train-max-wait-s", "0.5", "--train-epochs", "1", "--keep-adapter-versions", "100"),
     # The policy under test: a rating or preference not trained within 2 s is skipped. Twelve corrections go first
     # (three batches of several seconds each on this CPU): ratings wait longer than that.
     *("--train-skip-ratings-after-s", "2"),
