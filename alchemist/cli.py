@@ -471,6 +471,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-share", type=float, default=d.train_share)
     p.add_argument("--train-quantum-ms", type=float, default=d.train_quantum_s * 1000)
     p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
+    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_online)
