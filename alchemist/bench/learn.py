@@ -12,8 +12,8 @@ Parts (each one's rows carry ``part``; each builds its own parts, so they can ru
   blocked. Then the held-out perplexity rise (12 ShareGPT replies, fp32, vs the base model) and how many of
   ``--unrelated`` other ShareGPT questions keep their greedy answer (32 tokens, and its first 16);
 - ``forgetting``: ``--facts`` facts made from templates (``invented_facts``), taught one after another (asked;
-  corrected and trained if wrong, at most twice), the first ten asked again after every tenth: how many of them
-  are still known;
+  corrected and trained if wrong, at most twice), all taught so far asked again after every tenth: how many of the
+  first ten are still known (and of all of them);
 - ``throughput``: training samples per second of SFT, KTO and DPO mini-batches, replayed from serving's records vs
   recomputed (``alchemist.bench.learn_throughput``).
 
@@ -105,12 +105,10 @@ def teach(args: argparse.Namespace, config: OnlineConfig, workdir: Path) -> list
         wrong = [(a, f) for a, f, ok in zip(answers, facts, held, strict=True) if not ok]
         for answer, (_, correction, _) in wrong:
             rig.correct(answer, correction)
-        report = rig.train()
+        report = blocked_to_stderr(rig.train(), f"teach, round {round_}")
         held, answers = known(rig, facts)
         rows.append({"part": "teach", "round": round_, "known": sum(held), "of": len(facts),
                      "corrected": len(wrong), **report.row()})  # fmt: skip
-        for reason in report.reasons:
-            print(f"# teach round {round_}: a version was blocked: {reason}", file=sys.stderr)
         print_rows(rows[-1:], True, sys.stderr)
     after = rig.ask(unrelated, UNRELATED_TOKENS)
     same = sum(a.output_ids == b.output_ids for a, b in zip(before, after, strict=True))
@@ -154,14 +152,21 @@ def forgetting(args: argparse.Namespace, config: OnlineConfig, workdir: Path) ->
                 break
             rig.correct(answer, fact[1])
             corrections += 1
-            _add(total, rig.train())
+            _add(total, blocked_to_stderr(rig.train(), f"forgetting, fact {i}"))
         if i % 10 == 0 or i == len(facts):
-            held, _ = known(rig, first)
-            rows.append({"part": "forgetting", "taught": i, "first_ten_known": sum(held), "of": len(first),
-                         "learned_when_taught": learned, "corrections": corrections, **total.row(),
+            held, _ = known(rig, facts[:i])  # the first ten's and all taught so far
+            rows.append({"part": "forgetting", "taught": i, "first_ten_known": sum(held[: len(first)]),
+                         "of": len(first), "taught_known": sum(held), "learned_when_taught": learned,
+                         "corrections": corrections, **total.row(),
                          "wall_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
             print_rows(rows[-1:], True, sys.stderr)
     return rows
+
+
+def blocked_to_stderr(report: TrainReport, where: str) -> TrainReport:
+    for reason in report.reasons:
+        print(f"# {where}: the evaluation gate blocked a version: {reason}", file=sys.stderr)
+    return report
 
 
 def _add(total: TrainReport, report: TrainReport) -> None:

@@ -61,7 +61,8 @@ class MiniBatch:
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
             dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
         )  # fmt: skip
-        self.reference_s: list[float] = []
+        self.reference_s: list[float] = []  # the base model's pass, per mini-batch
+        self.kl_s: list[float] = []  # KTO's reference point under the adapter (a pass without gradient), per epoch
         self.passes = 0
 
     def __call__(self) -> None:
@@ -71,7 +72,9 @@ class MiniBatch:
             run_to_end(batch.references_slices(self.model))
         self.reference_s.append(time.perf_counter() - t0)
         for _ in range(self.config.epochs):
+            t0 = time.perf_counter()
             samples, scales = run_to_end(batch.samples_slices(self.model, self.adapter))
+            self.kl_s.append(time.perf_counter() - t0)
             results = run_to_end(self.trainer.backward_batch_slices(samples, scales))
             self.trainer.update()
             replayed, replay = sum(r for _, r in results), self.trainer.config.replay
@@ -115,6 +118,7 @@ def throughput(args: argparse.Namespace, config: OnlineConfig) -> list[dict]:
             "part": "throughput", "objective": objective, **shape, "passes": batches["replay"].passes,
             "epochs": config.epochs, "replay_s": round(times["replay"], 3), "recompute_s": round(times["recompute"], 3),
             "reference_s": round(statistics.median(batches["replay"].reference_s), 3),
+            "kl_s": round(statistics.median(batches["replay"].kl_s), 3),
             "replay_items_s": round(n / times["replay"], 2), "recompute_items_s": round(n / times["recompute"], 2),
             "ratio": round(ratio, 2), "goal": f">= {GOAL}" if objective != "sft" else None,
             "met": ratio >= GOAL if objective != "sft" else None,
