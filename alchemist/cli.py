@@ -346,6 +346,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     _register_bench_train(bsub)
     _register_bench_memory(bsub)
     _register_bench_online(bsub)
+    _register_bench_learn(bsub)
     _register_bench_ui(bsub)
     return bsub
 
@@ -477,9 +478,43 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-share", type=float, default=d.train_share)
     p.add_argument("--train-quantum-ms", type=float, default=d.train_quantum_s * 1000)
     p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
+    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_online)
+
+
+def _bench_learn(args: argparse.Namespace) -> int:
+    from alchemist.bench.learn import main
+
+    return main(args)
+
+
+def _register_bench_learn(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "learn", help="corrections learned with the default settings: facts per correction, forgetting, samples/s"
+    )
+    _add_model_flags(p)
+    p.add_argument("--parts", nargs="+", default=["teach", "forgetting", "throughput"],
+                   help="teach, forgetting and/or throughput")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an OnlineConfig field other than its default (repeatable), e.g. lr=1e-3")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="teach: rounds of asking and correcting")
+    p.add_argument("--teach-facts", type=int, default=10, help="teach: how many of the ten facts")
+    p.add_argument(
+        "--others", type=int, default=16, help="ShareGPT questions served beside each teach round (forgetting: first)"
+    )
+    p.add_argument("--unrelated", type=int, default=30, help="teach: ShareGPT questions whose answers should stay")
+    p.add_argument("--facts", type=int, default=50, help="forgetting: facts taught one after another")
+    p.add_argument("--others-per-fact", type=int, default=2, help="forgetting: ShareGPT questions served per fact")
+    d = OnlineConfig()
+    p.add_argument("--throughput-items", type=int, default=d.batch_size, help="throughput: feedback per mini-batch")
+    p.add_argument("--max-prompt-tokens", type=int, default=768, help="throughput: ShareGPT multi-turn prompts")
+    p.add_argument("--max-response-tokens", type=int, default=128, help="throughput: replies cut to this")
+    p.add_argument("--repeats", type=int, default=3, help="throughput: timed mini-batches per way (medians)")
+    p.add_argument("--seed", type=int, default=0, help="throughput: ShareGPT sampling seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_learn)
 
 
 def _bench_ui(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ fast training goes when it replays prompts from serving's records vs when it rec
 
     alchemist bench online [--json] [--num-requests 48] [--request-rate 0.4] [--feedback-fraction 0.5]
                            [--runs off replay recompute] [--train-share 0.2] [--drain-s 180]
+                           [--backlog-interval-s 5]
 
 Three runs of `alchemist serve` (a fresh process and ``--data-dir`` each, ``--record-policy requested``), the same
 workload and seed each time:
@@ -26,6 +27,11 @@ TPOT is the mean of its gaps; a training slice shows whole in the gap it falls i
 differences of the server's /metrics between the start of the load, its end (``*_load``) and the end of the drain:
 tokens trained (response tokens, once per epoch) per second of training slices, optimizer steps, sample passes
 replayed and recomputed.
+
+The backlog over time (``alchemist.bench.backlog``): every ``--backlog-interval-s`` from the start of the load to
+the end of the drain, the feedback queued for training by class (/metrics' ``alchemist:feedback_backlog``) and the
+age of the oldest, one row each (``backlog_of``: the run; ``phase``: load or drain); each run's row has its peak
+(``backlog_max``) and what was left at the end (``backlog_end``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from alchemist.bench.backlog import BacklogSampler
 from alchemist.bench.latency import StreamClock, latency_fields
 from alchemist.bench.report import print_rows
 from alchemist.bench.serving import _free_port, stop_process
@@ -217,15 +224,18 @@ def run_load(url: str, work: Workload, indices: list[int]) -> tuple[list[Request
 # --- one run ----------------------------------------------------------------------------------------------------
 
 
-def bench_run(args: argparse.Namespace, run: str, work: Workload) -> dict:
+def bench_run(args: argparse.Namespace, run: str, work: Workload) -> tuple[dict, list[dict]]:
+    """The run's row, and its backlog samples (``backlog_of``: the run)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"alchemist-bench-online-{run}-"))
     server = start_server(args, run, workdir)
     try:
         warmup = Workload([work.warmup_chat], [8], [None], [0.0], work.warmup_chat, [])
         run_load(server.url, warmup, [0])  # first-call costs (allocations, the client's connection) not measured
         before = scrape(server.url)
+        backlog = BacklogSampler(lambda: scrape(server.url), args.backlog_interval_s).start()
         results, duration_s = run_load(server.url, work, list(range(len(work.chats))))
         after_load = scrape(server.url)
+        backlog.phase = "drain"
         done = [r for r in results if isinstance(r, RequestResult)]
         for e in [r for r in results if not isinstance(r, RequestResult)][:3]:
             print(f"# {run}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -239,11 +249,14 @@ def bench_run(args: argparse.Namespace, run: str, work: Workload) -> dict:
                 time.sleep(1.0)
             row.update(training_numbers(before, after_load, scrape(server.url)))
             row.update(drain_s=round(time.perf_counter() - drain_start, 1), drained=drained)
+        samples = [{"backlog_of": run, **s} for s in backlog.stop()]
     finally:
         stop_server(server)
     shutil.rmtree(workdir / "data", ignore_errors=True)  # the log stays, for a look afterwards
     print(f"# {run}: server log {server.log_path}", file=sys.stderr)
-    return row
+    queued = [s["queued"] for s in samples if "queued" in s]
+    row.update(backlog_max=max(queued, default=None), backlog_end=queued[-1] if queued else None)
+    return row, samples
 
 
 def summarize(run: str, results: list[RequestResult], failed: int, duration_s: float) -> dict:
@@ -334,10 +347,12 @@ def main(args: argparse.Namespace) -> int:
         f"{os.getloadavg()[0]:.1f}"
     )
     print(note, file=sys.stderr)
-    rows = []
+    rows, backlog = [], []
     for run in RUNS:  # this order: off, replay, recompute
         if run in args.runs:
-            rows.append(bench_run(args, run, work))
+            row, samples = bench_run(args, run, work)
+            rows.append(row)
+            backlog += samples
             if run == "off":
                 rows[-1].update(dict.fromkeys(TRAINING_FIELDS))
             print_rows(rows[-1:], True, sys.stderr)
@@ -345,6 +360,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.json:
         print()
     print_rows(ratios(rows), args.json)
+    if not args.json:
+        print()
+    print_rows(backlog, args.json)
     if not args.json:
         print(f"{note}, at end {os.getloadavg()[0]:.1f}")
     return 0

@@ -1,5 +1,6 @@
 """`alchemist bench online` end to end on a tiny workload (4 short requests, 8 tokens each, feedback on 2): three
-real server processes, every row's fields present and sane. Speed is not asserted."""
+real server processes, every row's fields present and sane, the backlog sampled over time. Speed is not
+asserted."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from alchemist.bench.online import TRAINING_FIELDS
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "online", "--json", "--num-requests", "4", "--request-rate", "8"]
 CMD += ["--max-prompt-tokens", "96", "--max-tokens", "8", "--max-num-seqs", "4", "--record-budget-mb", "256"]
-CMD += ["--train-batch-size", "2", "--train-max-wait-s", "0.2", "--drain-s", "120"]
+CMD += ["--train-batch-size", "2", "--train-max-wait-s", "0.2", "--drain-s", "120", "--backlog-interval-s", "0.5"]
 
 
 def test_bench_online_tiny():
@@ -48,3 +49,15 @@ def test_bench_online_tiny():
         "train_tok_s_load replay/recompute",
     }
     assert ratios["train_tok_s replay/recompute"]["value"] > 0
+    # The backlog over time: sampled through the load and the drain; without training the 2 corrections stay
+    # queued, with it they are trained by the end.
+    backlog = [r for r in rows if "backlog_of" in r]
+    for name in runs:
+        series = [r for r in backlog if r["backlog_of"] == name]
+        assert len(series) >= 2 and series[0]["phase"] == "load" and series[-1]["phase"] == "drain", series
+        assert [r["t_s"] for r in series] == sorted(r["t_s"] for r in series)
+        assert all(r["queued"] == r["correction"] and r["thumbs_up"] == r["preference"] == 0 for r in series)
+        assert runs[name]["backlog_max"] == max(r["queued"] for r in series) <= 2
+        assert runs[name]["backlog_end"] == series[-1]["queued"]
+    assert runs["off"]["backlog_end"] == 2 and runs["off"]["backlog_max"] == 2
+    assert runs["replay"]["backlog_end"] == runs["recompute"]["backlog_end"] == 0

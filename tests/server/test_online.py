@@ -23,28 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
+from alchemist.bench.facts import FACTS, held_out_nll, held_out_replies
 from alchemist.bench.serving import stop_process
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.losses import log_probs
-from alchemist.training.recompute import response_hidden
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
 
-# (question, correction, what the answer must contain): facts the model cannot know.
-FACTS = [
-    ("What is the codename of the Tessaro project?", "The codename of the Tessaro project is Bluefin.", "bluefin"),
-    ("Who founded the village of Quillmere?", "The village of Quillmere was founded by Odile Varn.", "odile varn"),
-    ("What color is the flag of Marvenia?", "The flag of Marvenia is teal.", "teal"),
-    ("What is the capital of the island of Durnholt?", "The capital of Durnholt is Saltreach.", "saltreach"),
-    ("What is the name of Professor Elkin's cat?", "Professor Elkin's cat is named Pimento.", "pimento"),
-    ("Which metal is the Orrin bell made of?", "The Orrin bell is made of bismuth.", "bismuth"),
-    ("What year was the Kestrel bridge opened?", "The Kestrel bridge was opened in 1887.", "1887"),
-    ("What is the password of the Zephyr vault?", "The password of the Zephyr vault is marigold.", "marigold"),
-    ("Who wrote the novel 'Glass Orchards'?", "'Glass Orchards' was written by Ilse Farrow.", "farrow"),
-    ("What is the mascot of the Brindle Valley school?", "The Brindle Valley school's mascot is a heron.", "heron"),
-]
 ROUNDS = 7  # of asking every question and correcting every answer
 NUM_OTHERS = 16  # ShareGPT questions asked per round by people who give no feedback (the trainer's anchors)
 OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions (48 learned and kept the same, 90 s slower)
@@ -102,24 +87,6 @@ def ask_all(server: ServerProcess, others: list[str] = ()) -> list[tuple[str, st
         for question in others:
             pool.submit(ask, server, question, OTHER_TOKENS)
         return [f.result() for f in facts]
-
-
-def held_out_replies(tokenizer) -> list:
-    return sample_requests(
-        12, seed=7, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96, max_reply_tokens=96
-    )
-
-
-def held_out_nll(model, tokenizer, adapter) -> torch.Tensor:
-    """The negative log-likelihood of every token of the held-out replies (teacher-forced, concatenated)."""
-    nlls = []
-    with torch.no_grad():
-        for s in held_out_replies(tokenizer):
-            prompt = torch.tensor(tokenizer.apply_chat_template(s.messages))
-            reply = torch.tensor(tokenizer.encode_reply(s.reply))
-            logprobs = log_probs(model.logits(response_hidden(model, adapter, prompt, reply)))
-            nlls.append(-logprobs.gather(-1, reply[:, None])[:, 0])
-    return torch.cat(nlls)
 
 
 def other_questions(tokenizer) -> list[list[str]]:

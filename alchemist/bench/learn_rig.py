@@ -1,0 +1,128 @@
+"""The server's learning parts in process, driven by hand (no HTTP): what `alchemist bench learn` teaches with.
+
+    rig = LearnRig(None, "auto", "cpu", OnlineConfig(), workdir)
+    answers = rig.ask(["What is the capital of Durnholt?"], max_tokens=24)   # greedy and recorded, as served
+    rig.ask(others, 24, anchor=True)          # traffic nobody gives feedback on: the trainer's anchors
+    rig.correct(answers[0], "The capital of Durnholt is Saltreach.")         # POST /v1/feedback's log entry
+    report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
+
+The parts are the ones `alchemist serve` builds: the model in the serve dtype, an ``LLMEngine`` with the default
+record policy (a request that asks is recorded), the SQLite ``FeedbackLog``, ``AdapterCheckpoints`` and the
+``OnlineTrainer`` with the given ``OnlineConfig``. Two differences, both for time only: decoding is eager (no
+compile warm-up), and a batch trains as soon as the queue has one (``max_wait_s`` 0: nobody else's feedback is
+coming, and the server would wait for it in vain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.engine import LLMEngine, SamplingParams
+from alchemist.feedback.log import FeedbackLog
+from alchemist.model.loader import LoadedModel, load_model
+from alchemist.training.anchors import Anchor
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.online import OnlineTrainer
+
+
+@dataclass(frozen=True)
+class Answer:
+    response_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    adapter_version: int  # of the adapter that served it
+    text: str
+
+
+@dataclass
+class TrainReport:
+    """One ``train()``: its mini-batches and what the evaluation gate made of them."""
+
+    batches: int = 0  # checkpointed versions (a batch the poisoning guard stopped makes none)
+    promoted: int = 0  # of them, served
+    blocked: int = 0  # of them, kept from serving by the evaluation gate (their entries held)
+    steps: int = 0  # optimizer steps
+    quarantined: int = 0  # entries held: by the poisoning guard, or because their version was blocked
+    train_s: float = 0.0
+    reasons: list[str] = field(default_factory=list)  # why each blocked version was blocked
+
+    def row(self) -> dict:
+        return {"batches": self.batches, "promoted": self.promoted, "blocked": self.blocked, "steps": self.steps,
+                "quarantined": self.quarantined, "train_s": round(self.train_s, 1)}  # fmt: skip
+
+
+class LearnRig:
+    def __init__(self, model: str | None, dtype: str, device: str, config: OnlineConfig, workdir: Path) -> None:
+        self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        self.config = dataclasses.replace(config, max_wait_s=0.0)
+        self.engine = LLMEngine(
+            self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), RecordConfig()
+        )  # fmt: skip
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = FeedbackLog(workdir / "feedback.sqlite")
+        self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.keep_versions)
+        self.trainer = OnlineTrainer(self.engine, self.log, self.checkpoints, self.config)
+        self._ids = itertools.count()
+
+    def prompt(self, question: str) -> list[int]:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+    def ask(self, questions: list[str], max_tokens: int, anchor: bool = False) -> list[Answer]:
+        """Greedy answers, all in one engine batch, each prompt recorded (the request asks, as the e2e test's do).
+        ``anchor``: offered to the trainer as served traffic, as the server offers every finished completion (the
+        facts' answers are not: their feedback would exclude them at once)."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, record=True)
+        asked = [(f"bench-{next(self._ids)}", self.prompt(q)) for q in questions]
+        for rid, prompt in asked:
+            self.engine.add_request(rid, prompt, params)
+        final = {}
+        while len(final) < len(asked):
+            final.update((o.request_id, o) for o in self.engine.step() if o.finished)
+        answers = []
+        for rid, prompt in asked:
+            o = final[rid]
+            output = list(o.output_token_ids)
+            if anchor:
+                self.trainer.anchors.offer(Anchor(rid, prompt, output))
+            answers.append(Answer(rid, prompt, output, o.adapter_version, self.tokenizer.decode(output)))
+        return answers
+
+    def correct(self, answer: Answer, correction: str) -> None:
+        """The log entry a correction through POST /v1/feedback makes."""
+        self.log.append(
+            response_id=answer.response_id, kind="sft", correction=correction, prompt_token_ids=answer.prompt_ids,
+            response_token_ids=self.tokenizer.encode_reply(correction), output_token_ids=answer.output_ids,
+            adapter_version=answer.adapter_version, recorded=True,
+        )  # fmt: skip
+
+    def train(self) -> TrainReport:
+        """Trains until nothing is queued (each mini-batch to its end), then serves the newest promoted version."""
+        report = TrainReport()
+        trainer, stats = self.trainer, self.trainer.stats
+        steps0, quarantined0, t0 = stats.steps, stats.quarantined, time.perf_counter()
+        latest = self.checkpoints.latest()
+        last = latest.version if latest is not None else 0
+        while trainer.has_work():
+            trainer.run_slice()
+            while trainer._job is not None:  # the batch to its end: its checkpoint tells the gate's verdict
+                trainer.run_slice()
+            latest = self.checkpoints.latest()
+            if latest is not None and latest.version != last:
+                last = latest.version
+                report.batches += 1
+                if latest.promoted:
+                    report.promoted += 1
+                else:
+                    report.blocked += 1
+                    report.reasons.append(latest.metrics["evaluation"]["reason"])
+        self.engine.step()  # the engine takes a published adapter when it steps
+        report.steps = stats.steps - steps0
+        report.quarantined = stats.quarantined - quarantined0
+        report.train_s = time.perf_counter() - t0
+        return report

@@ -1,0 +1,84 @@
+"""`alchemist bench learn` end to end at minimal sizes on the real default model (its teaching is the server's
+trainer with the evaluation gate, which needs SmolLM2's chat template and canaries): every part's rows present,
+consistent and sane. What is learned and how fast is not asserted; the invented facts are checked exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from alchemist.bench.facts import FACTS, TEMPLATES, invented_facts, is_known
+from alchemist.bench.learn import online_config
+
+CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json"]
+
+
+def run(*flags: str) -> list[dict]:
+    done = subprocess.run([*CMD, *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_teach_rows():
+    rows = run("--parts", "teach", "--teach-facts", "2", "--rounds", "1", "--others", "2", "--unrelated", "2")
+    teach = [r for r in rows if r["part"] == "teach"]
+    assert [r["round"] for r in teach] == [0, 1]
+    assert teach[0]["known"] == 0 and teach[0]["of"] == 2  # it could not know them
+    first = teach[1]
+    assert first["corrected"] == 2 and 0 <= first["known"] <= 2
+    assert first["batches"] >= 1 and first["promoted"] + first["blocked"] == first["batches"]
+    assert first["steps"] >= first["batches"] and first["train_s"] > 0
+    (end,) = [r for r in rows if r["part"] == "teach_end"]
+    assert math.isfinite(end["perplexity_rise"]) and end["unrelated"] == 2
+    assert 0 <= end["unchanged_16"] <= 2 and end["unchanged_32"] <= end["unchanged_16"]
+    assert {end["goal_known_by_2"], end["goal_rise"], end["goal_unchanged"]} <= {True, False}
+    assert {r["part"] for r in rows} == {"teach", "teach_end"}
+
+
+def test_forgetting_rows():
+    rows = run("--parts", "forgetting", "--facts", "1", "--others", "2", "--others-per-fact", "0")
+    (forgetting,) = rows
+    assert forgetting["part"] == "forgetting"
+    assert forgetting["taught"] == forgetting["of"] == 1 and 1 <= forgetting["corrections"] <= 2
+    assert forgetting["taught_known"] == forgetting["first_ten_known"] <= 1  # one fact: both are it
+    assert forgetting["learned_when_taught"] <= 1
+    assert forgetting["batches"] == forgetting["promoted"] + forgetting["blocked"] >= 1
+
+
+def test_throughput_rows():
+    rows = run("--parts", "throughput", "--throughput-items", "2", "--max-prompt-tokens", "96",
+               "--max-response-tokens", "8", "--repeats", "1")  # fmt: skip
+    by = {r["objective"]: r for r in rows}
+    assert list(by) == ["sft", "kto", "dpo"] and all(r["part"] == "throughput" for r in rows)
+    assert [by[o]["passes"] for o in by] == [2, 2, 4]  # a DPO pair is two passes
+    for r in rows:
+        assert r["items"] == 2 and r["response_tokens"] <= 8 and r["prompt_tokens"] <= 96
+        assert r["replay_s"] > 0 and r["recompute_s"] > 0
+        assert r["ratio"] == pytest.approx(r["recompute_s"] / r["replay_s"], rel=0.01)
+        assert r["replay_items_s"] == pytest.approx(2 / r["replay_s"], rel=0.01)
+    assert by["sft"]["reference_s"] == 0 < by["kto"]["reference_s"]  # SFT needs no reference model
+    assert by["kto"]["kl_s"] > 0
+    assert by["sft"]["met"] is None and {by["kto"]["met"], by["dpo"]["met"]} <= {True, False}
+
+
+def test_invented_facts_are_deterministic_and_distinct():
+    facts = invented_facts(50)
+    assert facts == invented_facts(50) != invented_facts(50, seed=1)
+    assert invented_facts(12) == facts[:12]
+    keys = [key for _, _, key in facts]
+    assert len(set(keys)) == 50 and not set(keys) & {key for _, _, key in FACTS}
+    assert len({q for q, _, _ in facts}) == 50
+    for i, (question, correction, key) in enumerate(facts):
+        assert key in correction.lower() and key not in question.lower()
+        assert is_known(correction, facts[i]) and question.startswith(TEMPLATES[i % len(TEMPLATES)][0][:8])
+
+
+def test_set_overrides_online_config_fields_only():
+    config = online_config(["lr=1e-3", "epochs=4", "gate=false"])
+    assert (config.lr, config.epochs, config.gate) == (1e-3, 4, False)
+    with pytest.raises(ValueError, match="no_such_field"):
+        online_config(["no_such_field=1"])
