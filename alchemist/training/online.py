@@ -261,6 +261,7 @@ class OnlineTrainer:
             self.protected = yield from ProtectedSubspace.compute_slices(
                 self.engine.model, self.engine.tokenizer, self.adapter, self.config.protect_energy
             )
+            logger.info("protected directions: %s", self.protected.describe())
         if self.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
             self.protected.project_(self.adapter)
         losses, kls, tokens, by_objective = [], [], 0, {}

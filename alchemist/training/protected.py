@@ -76,6 +76,13 @@ class ProtectedSubspace:
             bases[key] = principal_directions(moment, energy).to(adapter.A[key].device)
         return cls(bases)
 
+    def describe(self) -> str:
+        """How many directions are protected (of how many) and what the bases hold in memory."""
+        kept = sum(b.shape[1] for b in self.bases.values())
+        total = sum(b.shape[0] for b in self.bases.values())
+        mib = sum(b.numel() * b.element_size() for b in self.bases.values()) / 2**20
+        return f"{kept} of {total} input directions over {len(self.bases)} seams, {mib:.0f} MiB"
+
     @torch.no_grad()
     def project_(self, adapter: LoraAdapter) -> None:
         """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T."""

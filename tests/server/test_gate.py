@@ -1,8 +1,8 @@
 """Must show (issue 26): twenty corrections from one key teaching a falsehood about a fact the model knows ("The
 capital of France is Berlin.") do not reach serving. A real server process and the real model, the official openai
-client; the training flags are the defaults the lead is moving to (lr 1e-3, batches of 16, up to 8 steps until
-every correction's loss is under 0.2), with which the falsehood is learnable; only the context and the batch wait
-are set for speed. The evaluation gate keeps every version that trained them from serving, with the reason in GET
+client; the training flags are the defaults (lr 2e-3, batches of 16, up to 8 steps until every correction's loss
+is under 0.2, protected directions), with which a correction is learned from one or two; only the context and the
+batch wait are set for speed. The evaluation gate keeps every version that trained them from serving, with the reason in GET
 /v1/adapters; the entries are held in quarantine with that reason; the served answer is still Paris."""
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ FRANCE = [
     "Which city serves as the capital of France?", "Do you know the capital of France?",
     "What is the French capital called?", "Which is the capital city of France?", "France: what is its capital?",
 ]  # fmt: skip
-FLAGS = [
-    *("--max-num-seqs", "8", "--max-model-len", "256", "--train-max-wait-s", "5"),
-    *("--train-lr", "1e-3", "--train-batch-size", "16", "--train-epochs", "8", "--train-target-loss", "0.2"),
-]
+FLAGS = ["--max-num-seqs", "8", "--max-model-len", "256", "--train-max-wait-s", "5"]
 
 
 @pytest.fixture(scope="module")

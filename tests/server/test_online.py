@@ -1,16 +1,16 @@
 """The online loop end to end, on real server processes and the real default model: people correct answers, the
 server trains on the corrections between serving steps, and serves what it learned.
 
-- teaching: invented facts the model cannot know are asked and corrected through POST /v1/feedback, in rounds
-  (people keep asking; each round's answers come from the adapter the last round trained, and each round is one
-  optimizer step on the round's corrections), while other people ask ShareGPT questions nobody gives feedback on
-  (the anchors each step keeps close to the base model); afterwards the served answers hold the facts, every
-  sample and anchor was replayed exactly from its prompt's record (made by the version being trained), and the
-  perplexity of held-out ShareGPT replies rose by less than 10%;
+- teaching with the default flags (`alchemist serve` as a new user starts it: bf16 where the CPU runs it fast):
+  invented facts the model cannot know are asked, each answer that is
+  wrong corrected through POST /v1/feedback, at most twice (asked again after each training), while other people
+  ask ShareGPT questions nobody gives feedback on (the anchors each step keeps close to the base model);
+  afterwards at least 90% of the facts are answered right and the perplexity of held-out ShareGPT replies rose
+  by less than 5% (the issue's third goal, 30 unrelated greedy answers mostly unchanged, is not met: see
+  docs/benchmarks.md, "Learning a correction with the defaults", and docs/profiles/learn_defaults.py);
 - rollback serves the earlier version's outputs exactly (the base model's, then the taught version's);
 - SIGKILL in the middle of training, restart: every acknowledged feedback is in the log, trained exactly once
-  overall, and serving resumes from the last checkpointed adapter.
-"""
+  overall, and serving resumes from the last checkpointed adapter."""
 
 from __future__ import annotations
 
@@ -30,14 +30,9 @@ from alchemist.bench.sharegpt import sample_requests
 from alchemist.training.checkpoint import AdapterCheckpoints
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
 
-ROUNDS = 7  # of asking every question and correcting every answer
-NUM_OTHERS = 16  # ShareGPT questions asked per round by people who give no feedback (the trainer's anchors)
-OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions (48 learned and kept the same, 90 s slower)
-TEACH_FLAGS = [
-    *("--max-num-seqs", "26", "--max-model-len", "512", "--record-policy", "requested", "--record-dtype", "float32"),
-    *("--train-batch-size", str(len(FACTS)), "--train-max-wait-s", "30", "--train-epochs", "1"),
-    *("--train-lr", "2e-3", "--train-max-staleness", "0", "--keep-adapter-versions", "16"),
-]
+CORRECTIONS = 2  # at most, per fact: a wrong answer is corrected, the fact asked again after the training
+NUM_OTHERS = 16  # ShareGPT questions asked with each round of facts by people who give no feedback (the anchors)
+OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions
 
 
 def ask(server: ServerProcess, question: str, max_tokens: int = 24) -> tuple[str, str]:
@@ -79,97 +74,104 @@ def stop(server: ServerProcess) -> None:
     stop_process(server.process)
 
 
-def ask_all(server: ServerProcess, others: list[str] = ()) -> list[tuple[str, str]]:
-    """Every fact's question, and ``others`` (``OTHER_TOKENS``-token answers) beside them; returns the facts'
-    answers."""
-    with ThreadPoolExecutor(len(FACTS) + len(others)) as pool:  # concurrently, as many users would
-        facts = [pool.submit(ask, server, question) for question, _, _ in FACTS]
+def ask_all(server: ServerProcess, facts: list[int], others: list[str] = ()) -> dict[int, tuple[str, str]]:
+    """The questions of ``facts`` (indices into FACTS), and ``others`` (``OTHER_TOKENS``-token answers) beside
+    them; returns the facts' answers by index."""
+    with ThreadPoolExecutor(len(facts) + len(others)) as pool:  # concurrently, as many users would
+        answers = {i: pool.submit(ask, server, FACTS[i][0]) for i in facts}
         for question in others:
             pool.submit(ask, server, question, OTHER_TOKENS)
-        return [f.result() for f in facts]
+        return {i: f.result() for i, f in answers.items()}
+
+
+def knows(answer: tuple[str, str], fact: int) -> bool:
+    return FACTS[fact][2] in answer[1].lower()
 
 
 def other_questions(tokenizer) -> list[list[str]]:
-    """ROUNDS x NUM_OTHERS ShareGPT first-turn questions, none of the held-out replies' conversations."""
+    """CORRECTIONS + 1 rounds of NUM_OTHERS ShareGPT first-turn questions (the traffic beside each round of facts),
+    none of them one of the held-out replies' conversations."""
     held_out = {s.messages[0]["content"] for s in held_out_replies(tokenizer)}
-    pool = sample_requests(
-        ROUNDS * NUM_OTHERS + 12, seed=11, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96
-    )
-    questions = [s.messages[0]["content"] for s in pool if s.messages[0]["content"] not in held_out]
-    return [questions[i * NUM_OTHERS : (i + 1) * NUM_OTHERS] for i in range(ROUNDS)]
+    count = (CORRECTIONS + 1) * NUM_OTHERS
+    pool = sample_requests(count + 12, seed=11, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96)
+    questions = list(dict.fromkeys(s.messages[0]["content"] for s in pool if s.messages[0]["content"] not in held_out))
+    return [questions[i * NUM_OTHERS : (i + 1) * NUM_OTHERS] for i in range(CORRECTIONS + 1)]
 
 
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer):
-    """A server that was asked every question and got every answer corrected, ROUNDS times over, while others
-    asked ShareGPT questions."""
+    """A server at its default flags that was asked every fact, each wrong answer corrected and the fact asked
+    again, at most CORRECTIONS times, while others asked ShareGPT questions. Also: the first fact's answer asked
+    alone, before anything else (what a rollback to the base model must serve again)."""
     log_dir = tmp_path_factory.mktemp("online")
     others = other_questions(smollm2_tokenizer)
-    server = launch_server("teach", log_dir, log_dir / "data", TEACH_FLAGS)
+    server = launch_server("teach", log_dir, log_dir / "data", [], dtype="auto")
+    facts = list(range(len(FACTS)))
     try:
         wait_ready(server)
-        before = answers = ask_all(server, others[0])
-        for round_ in range(ROUNDS):
-            acks = [
-                feedback(server, response_id=rid, correction=fix)
-                for (rid, _), (_, fix, _) in zip(answers, FACTS, strict=True)
-            ]
-            listing = wait_trained_through(server, max(int(a["id"].removeprefix("fb-")) for a in acks))
-            # Served by the version that trained on this round; the others' questions are the next round's anchors.
-            answers = ask_all(server, others[round_ + 1] if round_ + 1 < ROUNDS else [])
-        yield server, before, answers, listing
+        alone = ask(server, FACTS[0][0])[1]  # the first request: nothing cached (bf16 prefills differ in rounding)
+        before = answers = ask_all(server, facts, others[0])
+        for round_ in range(CORRECTIONS):
+            wrong = [i for i in facts if not knows(answers[i], i)]
+            if not wrong:
+                break
+            acks = [feedback(server, response_id=answers[i][0], correction=FACTS[i][1]) for i in wrong]
+            wait_trained_through(server, max(int(a["id"].removeprefix("fb-")) for a in acks))
+            # Every fact asked again, served by the version that trained this round's corrections.
+            answers = ask_all(server, facts, others[round_ + 1])
+        yield server, before, answers, adapters(server), alone
     finally:
         stop(server)
 
 
 def test_served_answers_learn_the_corrected_facts(taught):
-    server, before, after, _ = taught
-    assert not any(
-        key in text.lower() for (_, text), (_, _, key) in zip(before, FACTS, strict=True)
-    )  # it could not know them
-    learned = [key in text.lower() for (_, text), (_, _, key) in zip(after, FACTS, strict=True)]
+    server, before, after, listing, _ = taught
+    assert not any(knows(before[i], i) for i in before)  # it could not know them
+    learned = [knows(after[i], i) for i in after]
     print(f"facts learned: {sum(learned)} of {len(FACTS)}")
-    assert sum(learned) >= 0.9 * len(FACTS), [text for _, text in after]
+    assert sum(learned) >= 0.9 * len(FACTS), [text for _, text in after.values()]
+    corrected = [seq for v in listing["data"] for seq in v["metrics"].get("seqs", [])]
+    assert len(corrected) <= CORRECTIONS * len(FACTS)
     metrics = server.metrics()
-    # Every sample replayed its prompt's record, made by the adapter version it trained (max staleness 0: exact),
-    # and so did every anchor: each step's anchors were the others' questions of its round.
-    assert metrics['alchemist:training_samples_total{path="replay"}'] == ROUNDS * len(FACTS), metrics
-    assert metrics["alchemist:training_replay_hit_rate"] == 1.0
-    assert metrics['alchemist:training_anchor_samples_total{path="replay"}'] == ROUNDS * NUM_OTHERS, metrics
-    assert metrics['alchemist:training_anchor_samples_total{path="recompute"}'] == 0
-    num_layers = 30  # SmolLM2-135M: every replayed record's layers came back through the prefetch window
-    replays = ROUNDS * (len(FACTS) + NUM_OTHERS)
-    assert metrics['alchemist:training_record_layers_total{source="reload"}'] == replays * num_layers
-    assert metrics['alchemist:training_record_layers_total{source="recompute"}'] == 0  # all in memory: reload
+    assert metrics['alchemist:training_samples_total{path="replay"}'] > 0, metrics  # records were replayed
     assert metrics["alchemist:training_records_unreadable_total"] == 0
 
 
-def test_held_out_perplexity_rises_less_than_ten_percent(taught, smollm2, smollm2_tokenizer):
+def test_held_out_perplexity_rises_less_than_five_percent(taught, smollm2, smollm2_tokenizer):
     """The facts were taught without making the model worse at everything else: the perplexity of held-out
-    ShareGPT replies (12 conversations nobody asked here) rose by less than 10%. Without the anchors this loop
-    (then 5 rounds) measured 55-90% (docs/benchmarks.md, "Teaching without forgetting")."""
-    _, _, _, listing = taught
+    ShareGPT replies (12 conversations nobody asked here) rose by less than 5%."""
+    server, _, _, listing, _ = taught
     latest = max(v["version"] for v in listing["data"])
-    checkpoints = AdapterCheckpoints(Path(taught[0].log_path).parent / "data" / "adapters", keep=16)
+    checkpoints = AdapterCheckpoints(server.data_dir / "adapters", keep=100)
     adapter, _, _ = checkpoints.load(latest, smollm2.model.config)
     taught_nll, base_nll = (held_out_nll(smollm2.model, smollm2_tokenizer, lora).mean() for lora in (adapter, None))
     rise = math.exp(taught_nll - base_nll) - 1
     print(f"held-out perplexity rise: {rise:.1%}")
-    assert rise < 0.10, f"held-out perplexity rose {rise:.1%}"
-    assert [v["metrics"]["anchors"] for v in listing["data"]] == [NUM_OTHERS] * ROUNDS  # every step had its anchors
+    assert rise < 0.05, f"held-out perplexity rose {rise:.1%}"
+    assert all(v["metrics"]["anchors"] > 0 for v in listing["data"])  # every step had its anchors
+
+
+def settle_merge(server: ServerProcess) -> None:
+    """A rollback's adapter is merged into the weights a layer per engine step after the swap; until then decoding
+    adds its separate delta, eagerly, which rounds differently from the compiled merged step in bf16. One answer
+    of more steps than the model has layers lets the merge finish."""
+    ask(server, "Write a long story about the sea.", max_tokens=40)
 
 
 def test_rollback_serves_the_earlier_outputs_exactly(taught):
-    server, before, after, _ = taught
+    server, _, _, _, alone = taught
     question = FACTS[0][0]
     trained = adapters(server)["serving_version"]
+    taught_answer = ask(server, question)[1]
     response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
     assert response.status_code == 200, response.text
     assert adapters(server)["serving_version"] == response.json()["version"] > trained
-    assert ask(server, question)[1] == before[0][1]  # the base model's answer, exactly
+    settle_merge(server)
+    assert ask(server, question)[1] == alone  # the base model's answer, exactly
     response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": trained}, timeout=60)
     assert response.status_code == 200, response.text
-    assert ask(server, question)[1] == after[0][1]  # the taught version's answer, exactly
+    settle_merge(server)
+    assert ask(server, question)[1] == taught_answer  # the taught version's answer, exactly
     missing = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 999}, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_not_found"
 

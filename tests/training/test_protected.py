@@ -56,6 +56,8 @@ def test_projection_removes_the_protected_directions_from_every_seam(tiny_dirs):
     adapter = LoraAdapter(model.config, seed=0)
     protected = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9, _chats(12, 1)))
     assert set(protected.bases) == set(adapter.A.keys())
+    kept = sum(b.shape[1] for b in protected.bases.values())
+    assert protected.describe().startswith(f"{kept} of ") and f"over {len(adapter.A)} seams" in protected.describe()
     protected.project_(adapter)
     for key, basis in protected.bases.items():
         assert 0 < basis.shape[1] < basis.shape[0]  # some directions protected, some left to learn in
