@@ -15,6 +15,9 @@ from alchemist.bench.facts import FACTS, TEMPLATES, invented_facts, is_known
 from alchemist.bench.learn import online_config
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json"]
+# The rows' plumbing, not the learning: one step a batch and no protected directions (whose one-off computation
+# would be most of a one-fact run) keep each run short; the evaluation gate stays, its counts are checked.
+QUICK = ("--set", "epochs=1", "--set", "protect_energy=0")
 
 
 def run(*flags: str) -> list[dict]:
@@ -24,7 +27,7 @@ def run(*flags: str) -> list[dict]:
 
 
 def test_teach_rows():
-    rows = run("--parts", "teach", "--teach-facts", "2", "--rounds", "1", "--others", "2", "--unrelated", "2")
+    rows = run("--parts", "teach", "--teach-facts", "2", "--rounds", "1", "--others", "2", "--unrelated", "2", *QUICK)
     teach = [r for r in rows if r["part"] == "teach"]
     assert [r["round"] for r in teach] == [0, 1]
     assert teach[0]["known"] == 0 and teach[0]["of"] == 2  # it could not know them
@@ -40,7 +43,7 @@ def test_teach_rows():
 
 
 def test_forgetting_rows():
-    rows = run("--parts", "forgetting", "--facts", "1", "--others", "2", "--others-per-fact", "0")
+    rows = run("--parts", "forgetting", "--facts", "1", "--others", "2", "--others-per-fact", "0", *QUICK)
     (forgetting,) = rows
     assert forgetting["part"] == "forgetting"
     assert forgetting["taught"] == forgetting["of"] == 1 and 1 <= forgetting["corrections"] <= 2
@@ -51,7 +54,7 @@ def test_forgetting_rows():
 
 def test_throughput_rows():
     rows = run("--parts", "throughput", "--throughput-items", "2", "--max-prompt-tokens", "96",
-               "--max-response-tokens", "8", "--repeats", "1")  # fmt: skip
+               "--max-response-tokens", "8", "--repeats", "1", *QUICK)  # fmt: skip
     by = {r["objective"]: r for r in rows}
     assert list(by) == ["sft", "kto", "dpo"] and all(r["part"] == "throughput" for r in rows)
     assert [by[o]["passes"] for o in by] == [2, 2, 4]  # a DPO pair is two passes
