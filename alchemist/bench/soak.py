@@ -50,12 +50,15 @@ MODEL_NAME = "bench"
 STARTUP_TIMEOUT_S = 300.0
 
 
-def rss_mb(pid: int) -> float:
-    """The process's resident memory (VmRSS) in MB."""
+def rss_mb(pid: int) -> dict[str, float]:
+    """The process's resident memory in MB: all of it (VmRSS), its anonymous part (RssAnon: the heap, tensors) and
+    its file-backed part (RssFile: mapped files, e.g. the store's disk tier as it is read)."""
+    fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmRSS")
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile"):
+            fields[name] = int(value.split()[0]) / 1024
+    return fields
 
 
 TIER = "alchemist:activation_store_tier_bytes"
@@ -85,13 +88,15 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             t_s = round(time.perf_counter() - self._t0, 1)
-            rss = rss_mb(self.pid)
+            mem = rss_mb(self.pid)
+            rss = mem["VmRSS"]
             try:
                 tiers = self.read_metrics()
                 store = (tiers[TIER + '{tier="device"}'] + tiers[TIER + '{tier="host"}']) / 2**20
             except (httpx.HTTPError, KeyError):  # a missed store sample: the RSS one still counts
                 store = None
-            self.samples.append({"t_s": t_s, "rss_mb": round(rss, 1), "store_mb": _round(store),
+            self.samples.append({"t_s": t_s, "rss_mb": round(rss, 1), "anon_mb": _round(mem.get("RssAnon")),
+                                 "file_mb": _round(mem.get("RssFile")), "store_mb": _round(store),
                                  "rss_less_store_mb": _round(None if store is None else rss - store)})  # fmt: skip
             self._stop.wait(self.interval_s)
 
