@@ -12,10 +12,11 @@ gives feedback on the answer: every ``--correct-every``-th answer a correction (
 Reported per run: requests and feedback sent, errors by status (non-2xx answers; ``429`` also counted on its own)
 and by exception for the rest, the server process's resident memory (VmRSS of /proc/PID/status) sampled every
 ``--sample-interval-s``: after warm-up (the first sample past ``--warmup-s``), at the end, its peak and its slope
-over the second half of the run; the feedback backlog (``alchemist.bench.backlog``). Then the series themselves,
-one row per sample (``rss_of``, ``backlog_of``: the run), and the evaluation gate's cost per adapter version (GET
-/v1/adapters: each version's ``metrics.evaluation.seconds`` and its share of the version's ``metrics.train_s``,
-which includes it).
+over the second half of the run, also less the activation store's memory tiers (on a CPU they are process memory,
+up to ``--record-budget-mb`` + ``--record-host-budget-mb``: cap them with ``--serve-arg`` to see the rest); the
+feedback backlog (``alchemist.bench.backlog``). Then the series themselves, one row per sample (``rss_of``,
+``backlog_of``: the run), and the evaluation gate's cost per adapter version (GET /v1/adapters: each version's
+``metrics.evaluation.seconds`` and its share of the version's ``metrics.train_s``, which includes it).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ TIER = "alchemist:activation_store_tier_bytes"
 class RssSampler:
     """The process's VmRSS every ``interval_s`` from a thread of its own, with the activation store's bytes (from
     /metrics: on CPU the store's device and host tiers are process memory, by design up to their budgets):
-    [{"t_s", "rss_mb", "store_mb", "rss_less_store_mb"}, ...]."""
+    [{"t_s", "rss_mb", "anon_mb", "file_mb", "store_mb", "rss_less_store_mb"}, ...]."""
 
     def __init__(self, pid: int, interval_s: float, read_metrics: Callable[[], dict[str, float]]) -> None:
         self.pid, self.interval_s, self.read_metrics = pid, interval_s, read_metrics
