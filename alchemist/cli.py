@@ -348,6 +348,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
     _register_bench_online(bsub)
     _register_bench_learn(bsub)
     _register_bench_ui(bsub)
+    _register_bench_soak(bsub)
     return bsub
 
 
@@ -535,6 +536,31 @@ def _register_bench_ui(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_ui, compile=False)
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from alchemist.bench.soak import main
+
+    return main(args)
+
+
+def _register_bench_soak(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("soak", help="streaming clients with feedback for minutes: errors, resident memory, backlog")
+    _add_model_flags(p)
+    p.add_argument("--runs", nargs="+", default=["on", "off"], help="on: training on; off: --no-train")
+    p.add_argument("--clients", type=int, default=16, help="streaming clients, each one request at a time")
+    p.add_argument("--minutes", type=float, default=5.0, help="how long each run's load lasts")
+    p.add_argument("--correct-every", type=int, default=4, help="a correction on every k-th answer, thumbs on others")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens asked for per request; cap on corrections")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=256, help="ShareGPT first turns, cycled through")
+    p.add_argument("--sample-interval-s", type=float, default=5.0, help="how often RSS and the backlog are sampled")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS after warm-up: the first sample past this")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="an extra `alchemist serve` argument (repeatable): --serve-arg=--train-lr=1e-3")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_soak)
 
 
 # Subcommands register here; each adds its own parser.

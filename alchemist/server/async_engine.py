@@ -18,7 +18,9 @@ share / (1 - share)`` seconds of credit (capped), each slice spends what it took
 engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in turns instead: once it
 reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus the
 slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after the
-slice in progress, and one that arrived during a step is scheduled before any slice runs. Each switch finds the
+slice in progress, and one that arrived during a step is scheduled before any slice runs, unless training's credit
+is full (``MAX_CREDIT_S``): then training takes its turn anyway, so that a steady stream of arrivals cannot starve
+it (16 closed-loop clients did: no training step in 150 s, `alchemist bench soak`). Each switch finds the
 other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online`` turns of 100 ms
 let the replay trainer train 23% and 30% faster under load (two pairs of runs), but serving's TPOT measured worse
 with them in every pair (docs/benchmarks.md), so they are off by default. With no request in flight training runs
@@ -219,7 +221,9 @@ class AsyncEngine:
                 earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
                 self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
                 due = self._credit_s > 0 and self._credit_s >= self.background_quantum_s
-                if due and not self.engine.has_arrivals():  # a request that arrived during the step goes first
+                # A request that arrived during the step goes first, unless training's credit is full: under a
+                # closed-loop load something arrives during nearly every step, and training never ran (bench soak).
+                if due and (not self.engine.has_arrivals() or self._credit_s >= MAX_CREDIT_S):
                     self._run_turn()
 
     def _run_turn(self) -> None:
