@@ -50,10 +50,20 @@ class _Moments:
 
 
 class ProtectedSubspace:
-    """Per seam of the adapter (its ``A`` keys), an orthonormal basis (in, k) of the protected directions."""
+    """Per seam of the adapter (its ``A`` keys), an orthonormal basis (in, k) of the protected directions, or,
+    where that is the smaller of the two, of the free ones (in, in - k): ``free`` names those seams."""
 
-    def __init__(self, bases: dict[str, torch.Tensor]) -> None:
+    def __init__(self, bases: dict[str, torch.Tensor], free: frozenset[str] = frozenset()) -> None:
         self.bases = bases
+        self.free = free
+
+    def protected_basis(self, key: str) -> torch.Tensor:
+        """The protected directions of a seam (made from the free ones' complement where only those are kept)."""
+        basis = self.bases[key]
+        if key not in self.free:
+            return basis
+        full = torch.linalg.qr(torch.cat([basis, torch.eye(basis.shape[0])], dim=1))[0][:, basis.shape[1] :]
+        return full[:, : basis.shape[0] - basis.shape[1]]
 
     @classmethod
     def compute_slices(
@@ -70,25 +80,35 @@ class ProtectedSubspace:
         with torch.no_grad():
             for start in range(0, len(pairs), 16):
                 yield from responses_hidden_slices(model, moments, pairs[start : start + 16])  # type: ignore[arg-type]
-        bases = {}
+        bases, free = {}, set()
         for key, moment in moments.sums.items():
             yield
-            bases[key] = principal_directions(moment, energy).to(adapter.A[key].device)
-        return cls(bases)
+            vectors, k = principal_directions(moment, energy)
+            if k <= vectors.shape[1] - k:
+                bases[key] = vectors[:, :k].contiguous().to(adapter.A[key].device)
+            else:  # fewer free directions than protected ones: keep those (a third less memory on SmolLM2)
+                bases[key] = vectors[:, k:].contiguous().to(adapter.A[key].device)
+                free.add(key)
+        return cls(bases, frozenset(free))
 
     def describe(self) -> str:
         """How many directions are protected (of how many) and what the bases hold in memory."""
-        kept = sum(b.shape[1] for b in self.bases.values())
+        kept = sum(b.shape[0] - b.shape[1] if k in self.free else b.shape[1] for k, b in self.bases.items())
         total = sum(b.shape[0] for b in self.bases.values())
         mib = sum(b.numel() * b.element_size() for b in self.bases.values()) / 2**20
         return f"{kept} of {total} input directions over {len(self.bases)} seams, {mib:.0f} MiB"
 
     @torch.no_grad()
     def project_(self, adapter: LoraAdapter) -> None:
-        """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T."""
+        """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T, or A <- (A F) F^T
+        with the free directions F."""
         for key, basis in self.bases.items():
             a = adapter.A[key]
-            a.sub_(((a.float() @ basis) @ basis.t()).to(a.dtype))
+            inside = ((a.float() @ basis) @ basis.t()).to(a.dtype)
+            if key in self.free:
+                a.copy_(inside)
+            else:
+                a.sub_(inside)
 
 
 def _prompt(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -99,11 +119,11 @@ def _prompt(tokenizer: Tokenizer, text: str) -> list[int]:
         return tokenizer.encode(text)
 
 
-def principal_directions(moment: torch.Tensor, energy: float) -> torch.Tensor:
-    """The fewest leading eigenvectors (columns) of a symmetric second-moment matrix holding ``energy`` of its
-    trace."""
+def principal_directions(moment: torch.Tensor, energy: float) -> tuple[torch.Tensor, int]:
+    """The eigenvectors (columns, leading first) of a symmetric second-moment matrix, and the fewest leading ones,
+    k, that hold ``energy`` of its trace."""
     values, vectors = torch.linalg.eigh(moment.double())
     values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
     held = values.cumsum(0) / values.sum()
-    k = int((held < energy).sum()) + 1
-    return vectors[:, :k].float().contiguous()
+    k = min(int((held < energy).sum()) + 1, len(values))
+    return vectors.float(), k

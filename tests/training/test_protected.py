@@ -23,12 +23,11 @@ def test_principal_directions_hold_the_asked_energy():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(500, 12, generator=g) * torch.tensor([10.0, 5, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1])
     moment = rows.t() @ rows
-    basis = principal_directions(moment, 0.8)
-    assert torch.allclose(basis.t() @ basis, torch.eye(basis.shape[1]), atol=1e-5)  # orthonormal
+    vectors, k = principal_directions(moment, 0.8)
+    assert torch.allclose(vectors.t() @ vectors, torch.eye(12), atol=1e-5)  # orthonormal
     values = torch.linalg.eigvalsh(moment.double()).flip(0)
-    k = basis.shape[1]
     assert values[:k].sum() / values.sum() >= 0.8 > values[: k - 1].sum() / values.sum()  # the fewest that do
-    assert principal_directions(moment, 0.999).shape[1] > k
+    assert principal_directions(moment, 0.999)[1] > k
 
 
 class _Tok:
@@ -56,12 +55,16 @@ def test_projection_removes_the_protected_directions_from_every_seam(tiny_dirs):
     adapter = LoraAdapter(model.config, seed=0)
     protected = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9, _chats(12, 1)))
     assert set(protected.bases) == set(adapter.A.keys())
-    kept = sum(b.shape[1] for b in protected.bases.values())
+    bases = {key: protected.protected_basis(key) for key in protected.bases}
+    kept = sum(b.shape[1] for b in bases.values())
     assert protected.describe().startswith(f"{kept} of ") and f"over {len(adapter.A)} seams" in protected.describe()
+    assert all(b.shape[1] <= b.shape[0] / 2 for b in protected.bases.values())  # the smaller side is kept
     protected.project_(adapter)
-    for key, basis in protected.bases.items():
+    for key, basis in bases.items():
         assert 0 < basis.shape[1] < basis.shape[0]  # some directions protected, some left to learn in
+        assert torch.allclose(basis.t() @ basis, torch.eye(basis.shape[1]), atol=1e-5)
         assert (adapter.A[key] @ basis).abs().max() < 1e-5, key
+        assert adapter.A[key].abs().max() > 0  # what is left of A is kept
     with pytest.raises(ValueError):
         run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 1.0, _chats(2, 1)))
 
@@ -81,8 +84,8 @@ def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp
     drain(plain_run)
     subspace = protected_run.protected
     assert subspace is not None and plain_run.protected is None
-    for key, basis in subspace.bases.items():
-        assert (protected_run.adapter.A[key] @ basis).abs().max() < 1e-4, key
+    for key in subspace.bases:
+        assert (protected_run.adapter.A[key] @ subspace.protected_basis(key)).abs().max() < 1e-4, key
     assert all(b.abs().max() > 0 for b in protected_run.adapter.B.values())
 
     # The deltas on ordinary chat's inputs (those the directions were taken from), at every seam.
