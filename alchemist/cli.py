@@ -474,6 +474,7 @@ def _register_bench_online(bsub: argparse._SubParsersAction) -> None:
     d = OnlineConfig()  # the server's defaults, but a shorter wait for a partial batch
     p.add_argument("--train-batch-size", type=int, default=d.batch_size)
     p.add_argument("--train-epochs", type=int, default=d.epochs)
+    p.add_argument("--train-protect-energy", type=float, default=d.protect_energy)
     _add_group_flags(p, d)
     p.add_argument("--train-max-wait-s", type=float, default=5.0)
     p.add_argument("--train-share", type=float, default=d.train_share)

@@ -132,6 +132,7 @@ def start_server(args: argparse.Namespace, run: str, workdir: Path) -> Server:
     cmd += ["--train-max-wait-s", str(args.train_max_wait_s), "--train-share", str(args.train_share)]
     cmd += ["--train-quantum-ms", str(args.train_quantum_ms), "--train-group-size", str(args.train_group_size)]
     cmd += ["--train-group-max-tokens", str(args.train_group_max_tokens)]
+    cmd += ["--train-protect-energy", str(args.train_protect_energy)]
     cmd += [*(["--model", args.model] if args.model else []), *RUNS[run]]
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
