@@ -19,15 +19,15 @@ import json
 import tempfile
 from pathlib import Path
 
+from alchemist.bench.learn import online_config
 from alchemist.bench.sharegpt import sample_requests
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
-from docs.profiles.learn_defaults import parse_value
 from tests.server.test_gate import FALSEHOOD, FRANCE
 from tests.server.test_online import FACTS
 
@@ -38,8 +38,7 @@ def main() -> None:
     ap.add_argument("--scenario", default="both", choices=["facts", "falsehood", "both"])
     ap.add_argument("--others", type=int, default=16)
     args = ap.parse_args()
-    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config = dataclasses.replace(OnlineConfig(), max_wait_s=0.0, **overrides)
+    config = dataclasses.replace(online_config(args.set), max_wait_s=0.0)
     loaded = load_model(None, dtype="float32", device="cpu")
     tok = loaded.tokenizer
     traffic = [s.messages[0]["content"] for s in sample_requests(args.others, seed=11, mode="first_turn",
@@ -52,7 +51,9 @@ def main() -> None:
         trainer = OnlineTrainer(engine, log, checkpoints, config)
         counter = iter(range(10**9))
 
-        def ask(questions: list[str], offer: bool) -> list[tuple[str, list[int], list[int]]]:
+        def ask(
+            questions: list[str], offer: bool, engine=engine, trainer=trainer, counter=counter
+        ) -> list[tuple[str, list[int], list[int]]]:
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
             ids = [f"r{next(counter)}" for _ in prompts]
             for rid, prompt in zip(ids, prompts, strict=True):
@@ -79,7 +80,8 @@ def main() -> None:
             print(json.dumps({"scenario": scenario, "version": info.version, "epochs": m["epochs"],
                               "samples": m["samples"], "loss": round(m["loss"], 3),
                               "train_s": round(m["train_s"], 1),
-                              "evaluation_share": share and round(share, 3), **m["evaluation"]}), flush=True)  # fmt: skip
+                              "evaluation_share": share and round(share, 3), **m["evaluation"]}),
+                  flush=True)  # fmt: skip
         log.close()
 
 

@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from alchemist.bench.learn import online_config
 from alchemist.bench.sharegpt import sample_requests
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
@@ -34,17 +35,6 @@ from alchemist.training.online import OnlineTrainer
 from tests.server.test_online import FACTS, held_out_nll, held_out_replies
 
 
-def parse_value(text: str):
-    if "," in text:
-        return tuple(t for t in text.split(",") if t)
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", action="append", default=[], help="OnlineConfig field=value")
@@ -52,8 +42,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config = dataclasses.replace(OnlineConfig(), max_wait_s=0.0, **overrides)
+    overrides = args.set
+    config = dataclasses.replace(online_config(args.set), max_wait_s=0.0)  # the bench's parsing and checks
     loaded = load_model(None, dtype=args.dtype, device="cpu")
     fp32 = load_model(None, dtype="float32", device="cpu")
     tok = loaded.tokenizer
@@ -126,7 +116,7 @@ def main() -> None:
     after_unrelated = [a[2] for a in ask(unrelated, 32, offer=False)]
     unchanged = sum(a == b for a, b in zip(before_unrelated, after_unrelated, strict=True))
     unchanged_16 = sum(a[:16] == b[:16] for a, b in zip(before_unrelated, after_unrelated, strict=True))
-    diverge_at = sorted(next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
+    diverge_at = sorted(next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)
                         for a, b in zip(before_unrelated, after_unrelated, strict=True) if a != b)  # fmt: skip
     adapter = trainer.adapter
     base = held_out_nll(fp32.model, fp32.tokenizer, None).mean()

@@ -31,23 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from alchemist.bench.learn import online_config
 from alchemist.bench.sharegpt import sample_requests
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
-
-
-def parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def main() -> None:
@@ -60,8 +52,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="OnlineConfig field=value")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config = dataclasses.replace(OnlineConfig(), max_wait_s=0.0, **overrides)
+    overrides = args.set
+    config = dataclasses.replace(online_config(args.set), max_wait_s=0.0)  # the bench's parsing and checks
     loaded = load_model(None, dtype=args.dtype, device="cpu")
     tok = loaded.tokenizer
     engine = LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=32, compile_decode=False), RecordConfig())
