@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from alchemist.model.llama import Llama
 from alchemist.model.seam import LINEAR_NAMES, ComputeOps
@@ -42,8 +43,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
+# Rows are padded to a multiple of this. Note: oneDNN builds and keeps a primitive (~0.7 MB) for every input shape
+# it meets, and serving meets every row count from 1 to max_num_batched_tokens: a resident memory grown by ~1.4 GB
+# before it levels off; padded, four projections' primitives take ~0.1 GB (docs/benchmarks.md, "Soak").
+ROW_MULTIPLE = 16
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``x @ W^T + bias`` for a packed ``W``, rows padded to a multiple of ``ROW_MULTIPLE`` with zeros and cut
+    off again: each row's product is computed on its own, so the rows kept are bitwise what ``x`` alone gives
+    (tests/engine/test_packed_ops.py)."""
+    rows = x.shape[0]
+    pad = -rows % ROW_MULTIPLE
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if pad else out
 
 
 class PackedLinearOps(ComputeOps):

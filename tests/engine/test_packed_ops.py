@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.engine.packed_ops import PackedLinearOps, packed_linear_supported
+from alchemist.engine.packed_ops import (
+    ROW_MULTIPLE,
+    PackedLinearOps,
+    onednn_packs_bf16,
+    pack,
+    packed_linear,
+    packed_linear_supported,
+)
 from alchemist.engine.runner import ModelRunner
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import build_model
@@ -51,3 +59,19 @@ def test_bf16_engine_generates(bf16_model):
     engine = LLMEngine(bf16_model, char_tokenizer(), EngineConfig(max_num_seqs=16, max_num_batched_tokens=16))
     outs = engine.generate(random_prompts([5, 30]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outs] == [8, 8]
+
+
+def test_packed_linear_pads_rows_without_changing_them():
+    """Rows are padded to a multiple of ROW_MULTIPLE (oneDNN keeps a primitive per shape): every row count gives
+    bitwise the rows the stock linear gives, bias included, whether or not it needed padding."""
+    if not cpu_packs_bf16():
+        assert not onednn_packs_bf16()
+        return
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    packed = pack(weight)
+    for rows in [*range(1, 2 * ROW_MULTIPLE + 2), 100, 511, 512]:
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = packed_linear(x, packed, bias)
+        assert out.shape == (rows, 96) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=0)
