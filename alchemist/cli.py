@@ -191,6 +191,12 @@ def _add_gate_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
                    help="nats per token a fact taught earlier may lose against the serving version")  # fmt: skip
     p.add_argument("--train-gate-taught-samples", type=int, default=d.gate_taught_samples,
                    help="facts taught earlier (the most recent trained corrections) that are checked")  # fmt: skip
+    p.add_argument("--train-rollback-min-ratings", type=int, default=d.rollback_min_ratings,
+                   help="roll back versions users rate worse, given this many ratings a side (0: never)")  # fmt: skip
+    p.add_argument("--train-rollback-margin", type=float, default=d.rollback_margin,
+                   help="... when their thumbs-down rate is higher by this much (0.15: 15 points)")  # fmt: skip
+    p.add_argument("--train-rollback-z", type=float, default=d.rollback_z,
+                   help="... and by a one-sided two-proportion z-test at this z")  # fmt: skip
 
 
 def _add_group_flags(p: argparse.ArgumentParser, d: OnlineConfig) -> None:
@@ -246,6 +252,9 @@ def _online_config(args: argparse.Namespace) -> OnlineConfig:
         gate_canary_max_mean_drop=args.train_gate_canary_max_mean_drop,
         gate_taught_max_rise=args.train_gate_taught_max_rise,
         gate_taught_samples=args.train_gate_taught_samples,
+        rollback_min_ratings=args.train_rollback_min_ratings,
+        rollback_margin=args.train_rollback_margin,
+        rollback_z=args.train_rollback_z,
     )
 
 

@@ -224,6 +224,13 @@ class OnlineConfig:
     gate_canary_max_mean_drop: float = 3.0
     gate_taught_max_rise: float = 1.0
     gate_taught_samples: int = 16
+    # Watching what serves (alchemist.training.regression): when the thumbs-down rate of the versions served from
+    # some version on exceeds that of the versions before it by rollback_margin, at rollback_z (one-sided two-
+    # proportion z-test), with rollback_min_ratings on each side, serving goes back to the version before.
+    # One key counts for at most key_share of those ratings. rollback_min_ratings 0 disables it.
+    rollback_min_ratings: int = 30
+    rollback_margin: float = 0.15
+    rollback_z: float = 3.0
     # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
     # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
     sft_weight: float = 1.0
@@ -274,6 +281,11 @@ class OnlineConfig:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)!r})")
         if not isinstance(self.gate_taught_samples, int) or self.gate_taught_samples < 0:
             raise ValueError(f"gate_taught_samples must be an integer >= 0 (got {self.gate_taught_samples!r})")
+        if not isinstance(self.rollback_min_ratings, int) or self.rollback_min_ratings < 0:
+            raise ValueError(f"rollback_min_ratings must be an integer >= 0 (got {self.rollback_min_ratings!r})")
+        for name in ("rollback_margin", "rollback_z"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)!r})")
         if not 0.0 < self.key_share <= 1.0:
             raise ValueError(f"key_share must be in (0, 1] (got {self.key_share!r})")
         if not self.target_loss >= 0:

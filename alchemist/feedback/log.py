@@ -295,6 +295,24 @@ class FeedbackLog:
             ).fetchall()
         return {c: (0, None) for c in CLASSES} | {c: (n, oldest) for c, n, oldest in rows}
 
+    def ratings_by_version(self, per_key: int | None = None) -> dict[int, tuple[int, int]]:
+        """(thumbs up, thumbs down) the responses of each adapter version earned. One named key counts for at most
+        ``per_key`` of a version's ratings (its own split kept), so that one user cannot decide alone how a version
+        is judged; entries without a key (a server without keys is loopback-only) count in full."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT adapter_version, key_name, SUM(rating = 1), SUM(rating = -1) FROM feedback "
+                "WHERE rating IS NOT NULL GROUP BY 1, 2"
+            ).fetchall()
+        totals: dict[int, tuple[int, int]] = {}
+        for version, key, up, down in rows:
+            if key is not None and per_key is not None and up + down > per_key:
+                up = round(up * per_key / (up + down))
+                up, down = up, per_key - up
+            before = totals.get(version, (0, 0))
+            totals[version] = (before[0] + up, before[1] + down)
+        return totals
+
     def state_counts(self) -> dict[str, int]:
         """Entries per state (every state present, 0 when none)."""
         with self._lock:

@@ -39,6 +39,7 @@ first, and no new batch starts meanwhile, so a rollback never throws training aw
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Generator
@@ -55,6 +56,7 @@ from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeig
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
+from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class OnlineTrainer:
         self.stats = OnlineStats(skipped=self.queue.skipped)
         self.quarantine = Quarantine(log, on_release=self.queue.changed)
         self.guard = PoisoningGuard(config.loss_spike_factor, config.loss_spike_warmup)
+        self.regression = RegressionBounds(config.rollback_min_ratings, config.rollback_margin, config.rollback_z)
         self.gate = None
         if config.gate and config.enabled:
             bounds = GateBounds(config.gate_heldout_max_rise, config.gate_canary_max_drop,
@@ -217,6 +220,7 @@ class OnlineTrainer:
             if self._job is None:
                 if self._rollbacks_waiting or not self.has_work():
                     return 0.0
+                self._watch()
                 self._job = self._train(self.queue.head())
             try:
                 next(self._job)
@@ -400,28 +404,55 @@ class OnlineTrainer:
         A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
         its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
         work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
-        kept = lambda: version == 0 or version in {v.version for v in self.checkpoints.versions()}  # noqa: E731
         with self._idle:
-            if not kept():
+            if not self._kept(version):
                 raise KeyError(version)
             self._rollbacks_waiting += 1
             try:
                 self._idle.wait_for(lambda: self._job is None)  # the step loop runs the batch's slices meanwhile
             finally:
                 self._rollbacks_waiting -= 1
-            if not kept():  # the batch's checkpoint pushed it out (keep_versions)
+            if not self._kept(version):  # the batch's checkpoint pushed it out (keep_versions)
                 raise KeyError(version)
-            self.queue.changed()
-            if version == 0:
-                self._load_initial()
-            else:
-                self._load(version)
-            self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
-            self.engine.set_adapter(self.adapter, self.version)
-            self.checkpoints.save(
-                self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, {"rollback_of": version}
-            )
-            return self.version
+            return self._serve_again(version, {"rollback_of": version})
+
+    def _kept(self, version: int) -> bool:
+        return version == 0 or version in {v.version for v in self.checkpoints.versions()}
+
+    def _serve_again(self, version: int, metrics: dict) -> int:
+        """Between batches: ``version``'s weights (0: the base model's) become a new version that serves."""
+        self.queue.changed()
+        if version == 0:
+            self._load_initial()
+        else:
+            self._load(version)
+        self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
+        self.engine.set_adapter(self.adapter, self.version)
+        self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, metrics)
+        return self.version
+
+    def _watch(self) -> None:
+        """Between batches: serving goes back past versions its users rate clearly worse than those before them
+        (``alchemist.training.regression``)."""
+        if self.regression.min_ratings <= 0:
+            return
+        per_key = max(1, math.ceil(self.config.key_share * self.regression.min_ratings))
+        found = find_regression(self._lineage(), self.log.ratings_by_version(per_key), self.regression)
+        if found is None or not self._kept(found.target):
+            return
+        version = self._serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})
+        logger.warning("adapter version %d serves version %d again: %s", version, found.target, found.reason)
+
+    def _lineage(self) -> list[int]:
+        """The versions served one after another since the last rollback (or since the base model, while every
+        version since it is kept), oldest first."""
+        kept = self.checkpoints.versions()
+        served = [v for v in kept if v.promoted]
+        last = max((i for i, v in enumerate(served) if "rollback_of" in v.metrics), default=None)
+        if last is not None:
+            return [v.version for v in served[last:]]
+        base = [0] if kept and kept[0].version == 1 else []
+        return base + [v.version for v in served]
 
 
 def _unpromoted(version: int, reason: str) -> str:

@@ -292,3 +292,38 @@ def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(en
     drain(restarted)
     assert [v.metrics["seqs"] for v in checkpoints.versions()][-1] == [poison.seq]  # exempt from the guard
     assert log.get(poison.seq).state == "trained" and restarted.quarantine.list() == []
+
+
+def rate_served(engine: LLMEngine, log: FeedbackLog, num: int, rating: int, seed: int) -> None:
+    """Serves ``num`` prompts and rates each answer (a thumb, no correction) under the adapter that served it."""
+    prompts = random_prompts([12 + i for i in range(num)], seed=seed)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{seed}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    outputs = run_to_end(engine)
+    for i, prompt in enumerate(prompts):
+        served = outputs[f"t{seed}-{i}"][-1].output_token_ids
+        log.append(response_id=f"t{seed}-{i}", kind="sft" if rating > 0 else "negative", rating=rating,
+                   prompt_token_ids=prompt, response_token_ids=served, output_token_ids=served,
+                   adapter_version=engine.adapter_version, recorded=True)  # fmt: skip
+
+
+def test_a_version_its_users_rate_worse_is_rolled_back_between_batches(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1, rollback_min_ratings=4,
+                                       rollback_z=2.0)  # fmt: skip
+    rate_served(engine, log, 4, +1, seed=1)  # the base model's answers: liked
+    drain(trainer)
+    trained = engine.adapter_version
+    assert trained > 0 and not any("rollback_of" in v.metrics for v in checkpoints.versions())
+    rate_served(engine, log, 4, -1, seed=2)  # the trained version's: disliked
+    drain(trainer)
+    rollback = next(v for v in checkpoints.versions() if "rollback_of" in v.metrics)
+    assert rollback.metrics["rollback_of"] == 0 and rollback.version == trained + 1
+    assert f"users rated versions {trained}..{trained} worse than 0..0" in rollback.metrics["regression"]
+    assert "thumbs down 100% of 4 ratings against 0% of 4" in rollback.metrics["regression"]
+    # The disliked answers' batch trained after the rollback, on the base weights it restored; the ratings of
+    # the versions before the rollback do not count again.
+    assert checkpoints.latest().version == rollback.version + 1 == engine.adapter_version
+    assert {e.state for e in log.read()} == {"trained"}
+    rate_served(engine, log, 4, -1, seed=3)
+    drain(trainer)
+    assert sum("rollback_of" in v.metrics for v in checkpoints.versions()) == 1

@@ -1,0 +1,61 @@
+"""Watching what serves: a version its users rate clearly worse than what served before it is rolled back.
+
+The evaluation gate (``alchemist.training.evaluation``) judges a version before it serves, on fixed sets; how its
+users find it shows only afterwards. Every feedback entry keeps the adapter version that served its response, so
+the thumbs each version earned are known. Versions follow each other quickly (one a batch), so no single version
+gathers many ratings: the watch compares, for each version ``v`` served since the last rollback, the ratings of
+``v`` and everything after it against those of the versions before it. Where the later ones' thumbs-down rate is
+higher by at least ``margin`` and by a one-sided two-proportion z-test at ``z`` (both sides holding at least
+``min_ratings``), serving goes back to the version just before ``v``; the first such ``v`` is taken, so the rollback
+goes back as far as the evidence says.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RegressionBounds:
+    min_ratings: int = 30  # on each side of the comparison; 0 disables the watch
+    margin: float = 0.15  # thumbs-down rate higher by at least this (0.15: 15 points)
+    z: float = 3.0  # one-sided; strict because each version of the lineage is a comparison
+
+
+@dataclass(frozen=True)
+class Regression:
+    since: int  # the first version of the worse run
+    target: int  # the version to serve again (0: the base model)
+    reason: str
+
+
+def find_regression(
+    lineage: list[int], ratings: dict[int, tuple[int, int]], bounds: RegressionBounds
+) -> Regression | None:
+    """The first version of ``lineage`` (versions served one after another, oldest first) from which on users
+    rated clearly worse than before it, or None. ``ratings``: version -> (thumbs up, thumbs down)."""
+    if bounds.min_ratings <= 0:
+        return None
+    counts = [ratings.get(v, (0, 0)) for v in lineage]
+    for i in range(1, len(lineage)):
+        before_up, before_down = map(sum, zip(*counts[:i], strict=True))
+        after_up, after_down = map(sum, zip(*counts[i:], strict=True))
+        n0, n1 = before_up + before_down, after_up + after_down
+        if min(n0, n1) < bounds.min_ratings:
+            continue
+        p0, p1 = before_down / n0, after_down / n1
+        if p1 - p0 >= bounds.margin and _z(before_down, n0, after_down, n1) >= bounds.z:
+            reason = (
+                f"users rated versions {lineage[i]}..{lineage[-1]} worse than {lineage[0]}..{lineage[i - 1]}: "
+                f"thumbs down {p1:.0%} of {n1} ratings against {p0:.0%} of {n0}"
+            )
+            return Regression(since=lineage[i], target=lineage[i - 1], reason=reason)
+    return None
+
+
+def _z(down0: int, n0: int, down1: int, n1: int) -> float:
+    """The two-proportion z statistic of (down1 / n1) - (down0 / n0), pooled variance."""
+    pooled = (down0 + down1) / (n0 + n1)
+    spread = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
+    return math.inf if spread == 0 else (down1 / n1 - down0 / n0) / spread
