@@ -177,12 +177,12 @@ class OnlineConfig:
     prefetch_depth: int = 2  # record layers read ahead of the replay walk (from host memory or disk)
     # Samples (feedback and anchors) trained in one pass, their rows through each layer together: faster per
     # sample (docs/profiles/group_step.py), and a slice (a layer of a replay walk) takes that much longer. 8 trained
-    # 10-20% faster than 4 in `bench online`, but serving's TPOT met its goal in none of three runs with 8 (one of
-    # two with 4): serving has priority (docs/benchmarks.md, "Samples trained together").
+    # faster than 4 in `bench online`, but serving's TPOT met its goal less often with 8: serving has priority
+    # (docs/benchmarks.md, "Why the defaults").
     group_size: int = 4
     # ... and at most this many rows (prompt + response tokens) in a group, unless one sample alone has more: a
     # slice is a layer of a group's pass, so this bounds how long serving waits for one (docs/benchmarks.md,
-    # "Slices"). 0: no limit.
+    # "Why the defaults"). 0: no limit.
     group_max_tokens: int = 2048
     lora_r: int = 16
     lora_alpha: float = 32.0
@@ -195,7 +195,7 @@ class OnlineConfig:
     train_share: float = 0.2
     # While serving is busy, training's credit may be spent in turns of up to this long (slices back to back)
     # instead of a slice after every engine step (0, the default): a replay trains faster under load in turns, but
-    # serving's TPOT measured worse with them (alchemist.server.async_engine, docs/benchmarks.md). A request that
+    # serving's TPOT measured worse with them (docs/benchmarks.md, "Why the defaults"). A request that
     # arrives ends a turn.
     train_quantum_s: float = 0.0
     seed: int = 0  # the adapter's initialisation

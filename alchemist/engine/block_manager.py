@@ -1,8 +1,8 @@
 """KV-cache accounting: slots for placement, fixed-size blocks for capacity.
 
 The storage (``alchemist.model.attention.KVCache``) keeps each sequence's keys and values contiguous in its slot,
-so attention reads a slot as a view. Gathering paged blocks into a contiguous tensor every decode step was
-measured 27-49% slower on the target CPU (docs/architecture.md), so blocks here are accounting only: a sequence
+so attention reads a slot as a view. Gathering paged blocks into a contiguous tensor every decode step measured
+slower on the target CPU (docs/benchmarks.md, "Paged KV storage"), so blocks here are accounting only: a sequence
 holds ``ceil(tokens / block_size)`` blocks from a free list, and the pool (``num_kv_blocks``) is the memory
 budget that admission and preemption respect. With the default pool every slot can fill to ``max_model_len``;
 a smaller pool makes sequences share capacity and forces preemption under load.

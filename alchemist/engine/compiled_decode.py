@@ -12,8 +12,8 @@ in fp32) and our decode
 kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the cache in place).
 
 Note: [One graph per layer, not per step] Every layer has the same shapes, so the layer function compiles once and
-serves all of them, in seconds; a whole step traced as one graph (30 layers unrolled) took 40-80 s per batch size
-to compile here and gained little more at batch 32 (docs/benchmarks.md, "Compiled decode step"). The batch
+serves all of them, in seconds; a whole step traced as one graph (30 layers unrolled) took about ten times longer
+per batch size to compile and gained little more at batch 32 (docs/benchmarks.md, "Compiled decode step"). The batch
 dimension is dynamic after the first two sizes (dynamo's automatic dynamic shapes): warm-up compiles batch 1 and
 batch 2, and every other batch size reuses the second graph, so no batch is padded to a bucket. Weights are graph
 inputs, not constants, so a newly merged adapter serves without recompiling. inductor's cache lives in

@@ -24,10 +24,9 @@ a preemption restarts the prefill, and the version). Prefix-cache blocks are key
 (``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
 
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
-model), and run no torch work in other threads. On this 2-core CPU, stepping in a second thread made a batch-8
-decode 1.6x slower (128 vs 208 tokens/s): each thread that runs OpenMP regions gets its own team, and with more
-OpenMP threads than cores libgomp stops spin-waiting, so every one of the ~500 parallel regions per step pays
-a wake-up (docs/architecture.md).
+model), and run no torch work in other threads: each thread that runs OpenMP regions gets its own team, and
+with more OpenMP threads than cores libgomp stops spin-waiting, so every parallel region of a step pays a wake-up
+(docs/benchmarks.md, "OpenMP and the stepping thread").
 """
 
 from __future__ import annotations

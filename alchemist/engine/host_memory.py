@@ -3,9 +3,9 @@
 glibc serves a large allocation (above a threshold that adapts up to 32 MiB) with fresh pages from mmap, and gives
 freed memory at the top of its heap back to the OS. Every new buffer of that size then costs a page fault and the
 kernel's zeroing of each page on its first write. Recording hits this hardest: a record is hundreds of MiB of new
-buffers per long prompt (`activations/record.py`), written once in the prefill. Recording a 1,024-token prompt in
-bf16 added 27.6% to its prefill with glibc's defaults and 1.9% with the thresholds below (SmolLM2, fp32 model, 2
-threads: ``python docs/profiles/recording_overhead.py 1024 2``; docs/benchmarks.md). vLLM's and IPEX's CPU guides
+buffers per long prompt (`activations/record.py`), written once in the prefill: with glibc's defaults recording
+cost over ten times what it costs with the thresholds below (docs/benchmarks.md, "Host memory: glibc's
+thresholds"). vLLM's and IPEX's CPU guides
 get the same effect from tcmalloc or jemalloc by LD_PRELOAD; here glibc's own ``mallopt`` does it, with nothing to
 install.
 

@@ -1,7 +1,8 @@
 """The served adapter folded into the base weights, so that a forward that records nothing pays nothing for it.
 
 Serving a LoRA adapter as a separate delta costs every forward two small matmuls per fused projection: 120 per
-SmolLM2 forward, 15-22% of a bf16 decode step here (docs/architecture.md, "Serving an adapter"). A single served
+SmolLM2 forward, a sixth to a fifth of a bf16 decode step here (docs/benchmarks.md, "Serving an adapter: the delta's
+dtype and the merge"). A single served
 adapter can instead be merged, as PEFT's ``merge_and_unload`` does: per fused projection ``W' = W + scaling * B A``
 (``ServedAdapter.merged_weight``, computed in fp32 and rounded once to the model's dtype), packed for oneDNN where
 the base weights are (``alchemist.engine.packed_ops``). ``MergedLinearOps`` is then the seam for forwards that
@@ -11,8 +12,8 @@ A recording forward keeps the base weights and the separate delta, because a rec
 adds the delta of the adapter it trains, ``alchemist.training.replay``). The two forms agree to the rounding of
 ``W'`` to the model's dtype (bitwise in neither fp32 nor bf16; tests/engine/test_merged_adapter.py bounds it).
 
-Merging is spread over engine steps, one layer per step (``merge_next``; a bf16 SmolLM2 layer took 6.7 ms, the whole
-model 0.2 s: ``python docs/profiles/adapter_decode.py``): until every layer is merged the engine serves the separate
+Merging is spread over engine steps, one layer per step (``merge_next``; a whole model's merge is longer than a
+decode step: docs/benchmarks.md, same section): until every layer is merged the engine serves the separate
 delta, so a swap never stalls serving. The online trainer does better: it makes the merge in its own slices, a layer
 each, while the previous adapter serves, and swaps in the complete merge (``LLMEngine.set_adapter_slices``), so a
 publish costs serving neither the merge nor the separate delta's forwards. Memory: one merged copy of the targeted

@@ -1,10 +1,9 @@
 """Compute ops whose linear layers use oneDNN-prepacked bf16 weights: the engine's fast path on CPU.
 
 A stock ``F.linear`` on a bf16 CPU tensor re-lays-out the weight on every call; packing each base projection once
-(``mkldnn._reorder_linear_weight``) and calling ``mkldnn._linear_pointwise`` skips that. On this machine's
-avx512_bf16 CPU (1 thread) it took SmolLM2's projections and LM head from about 11 to 14-22 GB/s of weight reads,
-1.3-2x faster per matmul and about 1.6x per decode step (docs/architecture.md). Outputs are bitwise equal to
-``F.linear`` in the cases tested (tests/engine/test_packed_ops.py checks the model end to end).
+(``mkldnn._reorder_linear_weight``) and calling ``mkldnn._linear_pointwise`` skips that: faster matmuls and decode
+steps on avx512_bf16 CPUs (docs/benchmarks.md, "Packed bf16 linears and oneDNN's primitive cache"). Outputs are
+bitwise equal to ``F.linear`` in the cases tested (tests/engine/test_packed_ops.py checks the model end to end).
 
 fp32 keeps the plain ``ComputeOps``: it is the exactness reference, and oneDNN's fp32 kernels round differently.
 Base weights are frozen while serving (adapters are separate deltas), so packing once at start-up is safe.
@@ -43,9 +42,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-# Rows are padded to a multiple of this. Note: oneDNN builds and keeps a primitive (~0.7 MB) for every input shape
-# it meets, and serving meets every row count from 1 to max_num_batched_tokens: a resident memory grown by ~1.4 GB
-# before it levels off; padded, four projections' primitives take ~0.1 GB (docs/benchmarks.md, "Soak").
+# Rows are padded to a multiple of this. Note: oneDNN builds and keeps a primitive for every input shape it meets,
+# and serving meets every row count from 1 to max_num_batched_tokens: resident memory grows by gigabytes before it
+# levels off; padded, by a sixteenth as many primitives (docs/benchmarks.md, "Packed bf16 linears and oneDNN's
+# primitive cache").
 ROW_MULTIPLE = 16
 
 

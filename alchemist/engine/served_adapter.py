@@ -9,14 +9,14 @@ a scaling and a concatenation: ``delta = (x @ (scaling * A^T)) @ B^T``, the sum 
 
 For a bf16 model the delta's dtype depends on the rows: below ``FP32_MAX_ROWS`` rows (a decode step) it is
 computed in fp32 (the adapter's master precision) and cast to the model's dtype at the end, because a bf16 matmul
-of these small shapes costs about 30 us whatever its size (oneDNN's fixed cost), an fp32 one 2-7 us: serving a bf16
-copy of the ``LoraAdapter`` itself added 24-34 ms to a decode step of SmolLM2 (1 thread, batch 1 and 8), this
-layout 8-17 ms (docs/architecture.md). From ``FP32_MAX_ROWS`` rows on (a prefill chunk) it is computed in bf16,
-like PEFT's (fp32 accumulation, xa and the delta rounded to bf16: the delta, not the output, loses about 2^-8 of
-itself): there the fp32 delta's (T, out) products cost 2.1x the bf16 delta's at 512 rows, and a recording
-prefill step of 256 tokens +37% over the base model's, +15% with the bf16 delta (docs/architecture.md, "Serving
-an adapter"). That is what a recording forward pays; every other forward serves the adapter merged into the
-weights (``merged_weight``, ``alchemist.engine.merged_adapter``) and pays nothing.
+of these small shapes costs oneDNN's fixed cost whatever its size, several times an fp32 one's: serving a bf16
+copy of the ``LoraAdapter`` itself cost a decode step two to three times what this layout costs. From ``FP32_MAX_ROWS``
+rows on (a prefill chunk) it is computed in bf16, like PEFT's (fp32 accumulation, xa and the delta rounded to bf16:
+the delta, not the output, loses about 2^-8 of itself): there the fp32 delta's (T, out) products cost the most,
+and a recording prefill step pays less over the base model's with the bf16 delta than with the fp32 one (figures:
+docs/benchmarks.md, "Serving an adapter: the delta's dtype and the merge"). That is what a recording forward pays;
+every other forward serves the adapter merged into the weights (``merged_weight``,
+``alchemist.engine.merged_adapter``) and pays nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, part_shapes
 
-# From this many rows a bf16 model's delta runs in bf16: SmolLM2's four fused deltas on an AMD Zen 4, fp32 vs bf16,
-# 157 vs 212 us at 16 rows, even at 32 (244 / 243), 395 vs 304 at 64, 2.0 vs 1.0 ms at 512
-# (``python docs/profiles/adapter_prefill.py``, its last lines; two runs).
+# From this many rows a bf16 model's delta runs in bf16: SmolLM2's fused deltas cost the same in both dtypes at 32
+# rows, less in fp32 below, less in bf16 above (``python docs/profiles/adapter_prefill.py``, its last lines;
+# docs/benchmarks.md, "Serving an adapter: the delta's dtype and the merge").
 FP32_MAX_ROWS = 32
 
 

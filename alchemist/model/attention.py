@@ -6,8 +6,8 @@ decode token (one token of a sequence that already has a cache). Decode tokens a
 over a view of the cache; prefill chunks one call each.
 
 The KV cache keeps each sequence's keys and values contiguous in its slot, ``(num_slots, kv_heads, max_len,
-head_dim)``: reading a slot is a view, never a gather. Gathering paged blocks every decode step was measured
-27-49% slower on the target CPU (docs/architecture.md); the block accounting lives in the engine.
+head_dim)``: reading a slot is a view, never a gather. Gathering paged blocks every decode step measured slower on
+the target CPU (docs/benchmarks.md, "Paged KV storage"); the block accounting lives in the engine.
 """
 
 from __future__ import annotations
@@ -258,17 +258,17 @@ def _write_cache(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
 
 def decode_dtype(cache: torch.Tensor) -> torch.dtype:
     """The dtype of ATen's batched decode call over a cache of this dtype and device: fp32 on a CPU without AMX, where
-    ATen's bf16 flash kernel ran one query per sequence 2.7-4.7x slower than its fp32 kernel on fp32 copies, the
-    copies included (``docs/profiles/decode_attention.py``; it accumulates in fp32 either way); else the cache's
-    own."""
+    ATen's bf16 flash kernel ran one query per sequence several times slower than its fp32 kernel on fp32 copies, the
+    copies included (docs/benchmarks.md, "Decode attention in bf16 without AMX"; it accumulates in fp32 either way);
+    else the cache's own."""
     return torch.float32 if cache.device.type == "cpu" and not cpu_has_amx_bf16() else cache.dtype
 
 
 def decode_kernel_applies(cache: torch.Tensor) -> bool:
     """Whether decode attention over this cache runs our CPU kernel (``csrc/decode_attention.cpp``): a bf16 cache
     on a CPU without AMX, where ATen's call needs fp32 copies of the cache (``decode_dtype``), if the kernel builds.
-    Reading the bf16 cache in place, a step's decode attention took 10.7 vs 45.5 ms at 32 sequences of 256 tokens,
-    5.1 vs 15.1 at 8 of 512 (docs/benchmarks.md, "Decode step")."""
+    Reading the bf16 cache in place makes a step's decode attention several times faster than those copies
+    (docs/benchmarks.md, "Decode step")."""
     return (
         cache.device.type == "cpu"
         and cache.dtype == torch.bfloat16

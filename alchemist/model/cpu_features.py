@@ -17,11 +17,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are fast on CPUs with AVX512-BF16 or AMX (measured 4x fp32 on avx512_bf16)."""
+    """bf16 matmuls are fast on CPUs with AVX512-BF16 or AMX (several times fp32's: docs/benchmarks.md, "Decode
+    attention in bf16 without AMX")."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_amx_bf16() -> bool:
     """AMX tiles for bf16: where ATen's CPU flash-attention kernels run bf16 at speed (without them, a one-query
-    bf16 call ran 2.7-4.7x slower than the fp32 kernel on fp32 copies: docs/profiles/decode_attention.py)."""
+    bf16 call ran several times slower than the fp32 kernel on fp32 copies: docs/benchmarks.md, "Decode attention in
+    bf16 without AMX")."""
     return "amx_bf16" in cpu_flags()

@@ -6,7 +6,8 @@
 The build uses torch's C++ extension loader (a C++ compiler and ninja; gcc -O3 -march=native) into
 ``$ALCHEMIST_CACHE/kernels`` (default ``~/.cache/alchemist/kernels``), one directory per set of sources, torch version
 and CPU flag set, so a cache dir shared by machines of different CPUs never loads a binary built for another
-(``-march=native``). The first build takes about 10 s; later starts load the built library. Where the build
+(``-march=native``). The first build takes seconds (docs/benchmarks.md, "Start-up"); later starts load the built
+library. Where the build
 fails (no compiler) the callers keep ATen's path and a warning says why.
 
 Build it from the thread that will call it, before serving starts (``ModelRunner`` does): the build is a

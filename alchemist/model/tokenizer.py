@@ -43,8 +43,8 @@ class Tokenizer:
         """Load from a Hugging Face model directory, or from ``gguf_file`` inside ``path``.
 
         A directory whose tokenizer is the generic one (ours from a .gguf, ``alchemist.model.gguf``) loads it
-        directly: the class AutoTokenizer would pick, without its model-config lookup (SmolLM2's, in a fresh
-        process here: 0.55 s against AutoTokenizer's 2.1 s)."""
+        directly: the class AutoTokenizer would pick, without its model-config lookup (about four times faster in a
+        fresh process: docs/benchmarks.md, "Start-up")."""
         if gguf_file is not None:
             return cls(AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file))
         if _generic_tokenizer(Path(path)):

@@ -12,27 +12,27 @@ the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread
 loop calls them directly.
 
 Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine steps,
-in slices, never at the same time as a step (concurrent training made decode steps 3.5-4x slower on this CPU; design
-note, section 12). With requests in flight it may take ``share`` of the time: each engine step earns it ``step_s *
-share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by default one slice after an
-engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in turns instead: once it
-reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted ``quantum_s`` (plus the
-slice that crosses it), then serving steps until it is earned again; a request that arrives ends a turn after the
-slice in progress, and one that arrived during a step is scheduled before any slice runs, unless training's credit
-is full (``MAX_CREDIT_S``): then training takes its turn anyway, so that a steady stream of arrivals cannot starve
-it (16 closed-loop clients did: no training step in 150 s, `alchemist bench soak`). Each switch finds the
-other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online`` turns of 100 ms
-let the replay trainer train 23% and 30% faster under load (two pairs of runs), but serving's TPOT measured worse
-with them in every pair (docs/benchmarks.md), so they are off by default. With no request in flight training runs
-slice after slice, and a new request waits for one slice at most.
+in slices, never at the same time as a step (concurrent training slowed decode steps severalfold on this CPU:
+docs/benchmarks.md, "Training beside a step"). With requests in flight it may take ``share`` of the time: each
+engine step earns it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by
+default one slice after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in
+turns instead: once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted
+``quantum_s`` (plus the slice that crosses it), then serving steps until it is earned again; a request that arrives ends
+a turn after the slice in progress, and one that arrived during a step is scheduled before any slice runs, unless
+training's credit is full (``MAX_CREDIT_S``): then training takes its turn anyway, so that a steady stream of arrivals
+cannot starve it (16 closed-loop clients did in `alchemist bench soak`: docs/benchmarks.md, "Soak"). Each switch finds
+the other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online`` turns let the
+replay trainer train faster under load, but serving's TPOT measured worse with them in every pair (docs/benchmarks.md,
+"Why the defaults"), so they are off by default. With no request in flight training runs slice after slice, and a new
+request waits for one slice at most.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
 
 Note: [OpenMP and the stepping thread] torch's CPU ops parallelize with OpenMP. Once the main thread has run
-parallel regions (loading the model does), ops issued from any other thread ran at one-thread speed on the 2-core
-target: a (1, 576) x (576, 3072) bf16 linear took 120 us from the main thread and 230-270 us from another, and
-the engine's decode TPOT went from 29 ms to 49 ms. Stepping in the thread that loaded the model avoids it.
+parallel regions (loading the model does), ops issued from any other thread ran at about one-thread speed on the
+2-core target (docs/benchmarks.md, "OpenMP and the stepping thread"). Stepping in the thread that loaded the model
+avoids it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Anchors: keep the served model close to the base model on the traffic it serves, while it learns feedback.
 
 Supervised steps on a few corrections move a small model broadly: on SmolLM2, teaching ten invented facts by SFT
-(r=16 on every projection) raised the perplexity of held-out ShareGPT replies by 75% by the step that had 9 of
-them recalled and by 213% two steps later (``docs/profiles/forgetting.py``), half of it on 5% of the tokens,
+(r=16 on every projection) raised the perplexity of held-out ShareGPT replies by tens of percent by the time they
+were recalled, and more with every step (docs/benchmarks.md, "Teaching without forgetting"), half of it on a few
+percent of the tokens,
 which the model had become sure of (a reply now "must" start with "The"). The remedy is the reference-model KL
 that TRL's preference trainers and PPO keep: each optimizer step also minimises ``anchor_weight`` x
 KL(base || adapted) on the response positions of recent **served** completions (people's own traffic, never one
@@ -53,7 +54,7 @@ def references_slices(
 ) -> Generator[None, None, list[Targets]]:
     """``references`` in slices: each layer of the forward, then each anchor's top-k over the vocabulary. The
     online trainer runs it between serving steps, and the whole forward of a group of four long anchors was a
-    3.7-6.7 s wait for serving (``docs/profiles/online_slices.py``)."""
+    wait of seconds for serving (docs/benchmarks.md, "Why the defaults", slices)."""
     pairs = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device)) for p, r in samples]
     targets = []
     for hidden in (yield from responses_hidden_slices(model, None, pairs)):

@@ -149,9 +149,10 @@ class AdapterCheckpoints:
         log_position: int,
         metrics: dict[str, Any] | None = None,
     ) -> Generator[None, None, VersionInfo]:
-        """``save`` in slices: the adapter's files, the optimizer state's, the commit (a whole save took ~0.4 s of
-        writes and fsyncs here, which serving would wait for). The caller must not change ``adapter`` or
-        ``optimizer_state`` until it ends; closed before the commit, it leaves the previous version the latest."""
+        """``save`` in slices: the adapter's files, the optimizer state's, the commit (a whole save's writes and fsyncs
+        were a long wait for serving: docs/benchmarks.md, "Why the defaults", slices). The caller must not change
+        ``adapter`` or ``optimizer_state`` until it ends; closed before the commit, it leaves the previous version the
+        latest."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (got {version!r})")
         latest = self._latest_version()

@@ -64,10 +64,9 @@ CANARIES = (
 class GateBounds:
     heldout_max_rise: float = 0.10  # relative rise of held-out perplexity over the base model's
     # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
-    # 400 times less likely), and on average. Measured (docs/profiles/gate_calibration.py, lr 1e-3, batches of 16,
-    # up to 8 steps to loss 0.2, docs/benchmarks.md): 16 corrections "The capital of France is Berlin." cost Paris
-    # 24.7 nats (7.1 on average), the 4 after them 11.1 (2.4); the ten invented facts of tests/server/test_online.py
-    # cost the capitals up to 9.9 (2.4 on average), and that version did answer "The capital of France is France.".
+    # 400 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital,
+    # and to facts overlearned until the model answered "The capital of France is France." (docs/benchmarks.md, "The
+    # evaluation gate").
     canary_max_drop: float = 6.0
     canary_max_mean_drop: float = 3.0
     taught_max_rise: float = 1.0  # nats per token a fact taught earlier may lose against the serving version

@@ -168,9 +168,8 @@ def layer_backward_slices(
     0 (its input is the frozen embedding).
 
     In two slices (a generator): the MLP and the o-projection, then attention and the qkv projection; it yields
-    once between them. A whole layer was the trainer's longest slice, and serving waits for the slice in progress:
-    on `bench online`'s samples in groups of 4 (SmolLM2 bf16, `python docs/profiles/online_slices.py`) a layer took
-    a median 70 ms, at most 163; the two halves take 30 and 39 ms, at most 68 and 77."""
+    once between them. A whole layer was the trainer's longest slice, and serving waits for the slice in progress;
+    each half takes about half as long (docs/benchmarks.md, "Why the defaults", slices)."""
     c, mod = model.config, model.layers[layer]
     n, num_live = rec.num_rows, live.h.shape[0]
     pack = pack or Packing([n], [num_live])

@@ -23,11 +23,11 @@ batch's update, and the restarted trainer reads the same entries again (still qu
 checkpoint and the log's update is settled by ``restore`` from the checkpoint's seqs. Acknowledged feedback is in
 the log before the server answers, so none is lost.
 
-Slices: all work is done in small slices (half a layer of a replay walk, a layer of the anchors' reference forward
-or of a publish's merge, a sample's loss, a recomputed group of samples trained together, an update, a checkpoint)
-from the thread that steps the engine, between its steps: serving waits for the slice in progress, so none may be
-long (groups are capped in rows: ``group_max_tokens``). Training never runs concurrently with serving: on this CPU
-that slowed decode steps 3.5-4x (design note, section 12). ``train_share`` bounds training's share of time while
+Slices: all work is done in small slices (half a layer of a replay walk, a layer of the anchors' reference forward or of
+a publish's merge, a sample's loss, a recomputed group of samples trained together, an update, a checkpoint) from the
+thread that steps the engine, between its steps: serving waits for the slice in progress, so none may be long (groups
+are capped in rows: ``group_max_tokens``). Training never runs concurrently with serving: on this CPU that slowed decode
+steps severalfold (docs/benchmarks.md, "Training beside a step"). ``train_share`` bounds training's share of time while
 requests are in flight (the step loop's accounting); with none in flight, training takes what is free.
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays

@@ -4,7 +4,7 @@ the directions every ordinary input occupies.
 A LoRA changes a seam's output on an input x by B A x. Trained on a few corrections by itself, it moves the answers
 to everything else too: the inputs of ordinary chat share most of their directions with a correction's, so an A
 that reads a correction reads them as well (docs/benchmarks.md, "Learning a correction with the defaults": ten
-facts learned moved 30 of 30 unrelated greedy answers). Gradient projection memory (Saha et al., ICLR 2021) keeps
+facts learned moved every one of 30 unrelated greedy answers). Gradient projection memory (Saha et al., ICLR 2021) keeps
 an update orthogonal to the input subspace of what must not change: here, each seam's A is kept orthogonal to the
 principal directions of the inputs that seam sees on ordinary chat, those that hold ``energy`` of their second
 moment. Then A x, and with it B A x, is small for ordinary x whatever B learns, and large only for what ordinary

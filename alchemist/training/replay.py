@@ -102,7 +102,8 @@ def replay_backward_slices(
     h_top = h.requires_grad_()
     # 2. Each sample's loss and its gradient at its live rows' final hidden states, a sample per slice: the LM head
     # over the live rows (and its backward) is the largest piece of work between two layers; all samples' at once
-    # took up to 0.9 s (docs/profiles/online_slices.py). The rows are disjoint: the gradients are the same.
+    # was one of the longest slices (docs/benchmarks.md, "Why the defaults"). The rows are disjoint: the gradients
+    # are the same.
     losses = yield from _top_backward_slices(model, samples, pack, h_top)
     yield
 

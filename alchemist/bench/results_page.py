@@ -1,0 +1,167 @@
+"""The results page's tables, made from the benchmarks' committed ``--json`` rows.
+
+    python -m alchemist.bench.results_page                  # rewrite the tables in docs/benchmarks.md
+    python -m alchemist.bench.results_page --check          # exit 1 (and print a diff) if they are stale
+
+docs/benchmarks.md marks each generated block with ``<!-- results: NAME -->`` ... ``<!-- /results -->``; NAME is a
+folder of docs/results/ holding the rows of one invocation or more (``*.jsonl``, as ``--json`` printed them) and a
+``meta.toml`` that says which benchmark made them, on what machine, at which commit, with which commands, and which
+file is which run. Only the marked blocks change; the explanations around them are written by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import statistics
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def f1(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def ratio(num: float, den: float) -> str:
+    return f"**{num / den:.2f}**"
+
+
+def provenance(meta: dict, folder: Path) -> str:
+    """Machine, commit and commands: the head of every generated block."""
+    commands = "\n".join(meta["commands"])
+    run = f"{meta['date']}, commit {meta['commit']}. {meta.get('conditions', '')}".rstrip()
+    return (
+        f"- Machine: {meta['machine']}\n- Run: {run}\n- Rows: `docs/results/{folder.name}/`\n\n"
+        f"```\n{commands}\n```\n\n"
+    )
+
+
+def serve_block(meta: dict, folder: Path) -> str:
+    """Per workload and concurrency, each run's value side by side, and ours / the reference's ratio of medians."""
+    groups = {label: [read_rows(folder / f) for f in files] for label, files in meta["runs"].items()}
+    ours, ref = meta["ours"], meta["reference"]
+    keys = [(r["workload"], r["concurrency"]) for r in groups[ours][0]]
+
+    def values(label: str, key: tuple, field: str) -> list[float]:
+        return [r[field] for run in groups[label] for r in run if (r["workload"], r["concurrency"]) == key]
+
+    def cell(label: str, key: tuple, field: str) -> str:
+        return ", ".join(f1(v) for v in values(label, key, field))
+
+    header = ["workload", "conc."] + [f"output tok/s: {label}" for label in groups] + [f"{ours} / {ref}"]
+    for field in ("TTFT p50 ms", "TPOT p99 ms", "ITL p99 ms"):
+        header += [f"{field}: {ours}", ref]
+    rows = []
+    for key in keys:
+        row = [*key, *(cell(label, key, "output_tok_s") for label in groups)]
+        row.append(ratio(statistics.median(values(ours, key, "output_tok_s")),
+                         statistics.median(values(ref, key, "output_tok_s"))))
+        for field in ("ttft_p50_ms", "tpot_p99_ms", "itl_p99_ms"):
+            row += [cell(ours, key, field), cell(ref, key, field)]
+        rows.append(row)
+    return table(header, rows)
+
+
+def online_block(meta: dict, folder: Path) -> str:
+    """The three runs' serving latency and training speed, then the goals' ratios as bench online computes them."""
+    rows = read_rows(folder / meta["rows"])
+    runs = [r for r in rows if "run" in r and "backlog_of" not in r]
+    header = ["run", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "TTFT p50 ms", "train tok/s: all; under load",
+              "replayed / recomputed", "drained"]
+    body = [
+        [r["run"], f1(r["tpot_p50_ms"]), f1(r["tpot_p99_ms"]), f1(r["itl_p99_ms"]), f1(r["ttft_p50_ms"]),
+         "-" if r["train_tok_s"] is None else f"{f1(r['train_tok_s'])}; {f1(r['train_tok_s_load'])}",
+         "-" if r["replayed"] is None else f"{r['replayed']} / {r['recomputed']}",
+         "-" if r["drained"] is None else ("yes" if r["drained"] else "no")]
+        for r in runs
+    ]
+    goals = [[r["ratio"], f"**{r['value']:.2f}**", r["goal"], "met" if r["met"] else "not met"]
+             for r in rows if "ratio" in r]
+    return table(header, body) + "\n" + table(["ratio", "value", "goal", ""], goals)
+
+
+def learn_block(meta: dict, folder: Path) -> str:
+    """`bench learn`'s teach rounds, its end-of-teach measures, and the throughput of each objective."""
+    teach = read_rows(folder / meta["teach"])
+    rounds = [r for r in teach if r["part"] == "teach"]
+    end = next(r for r in teach if r["part"] == "teach_end")
+    by_2 = next(r for r in rounds if r["round"] == min(2, rounds[-1]["round"]))
+    out = table(
+        ["round", "facts known", "corrected", "batches", "promoted / blocked", "steps", "quarantined", "train s"],
+        [[r["round"], f"{r['known']} of {r['of']}", r["corrected"], r["batches"], f"{r['promoted']} / {r['blocked']}",
+          r["steps"], r["quarantined"], f1(r["train_s"])] for r in rounds],
+    )
+    yes = {True: "met", False: "not met"}
+    out += "\n" + table(["at the end of teach", "value", "goal"], [
+        ["held-out perplexity rise", f"{end['perplexity_rise']:+.1%}", f"< 5%: {yes[end['goal_rise']]}"],
+        ["unrelated greedy answers unchanged (32 tokens)", f"{end['unchanged_32']} of {end['unrelated']}",
+         f">= 80%: {yes[end['goal_unchanged']]}"],
+        ["the same, first 16 tokens", f"{end['unchanged_16']} of {end['unrelated']}", ""],
+        ["facts known after 2 corrections each", f"{by_2['known']} of {by_2['of']}",
+         f">= 90%: {yes[end['goal_known_by_2']]}"],
+    ])
+    through = read_rows(folder / meta["throughput"])
+    out += "\n" + table(
+        ["objective", "replay s", "recompute s", "base-model pass s (both ways)", "KTO reference point s",
+         "items/s replay", "replay / recompute", "goal"],
+        [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", f1(r["reference_s"] or None),
+          f1(r["kl_s"] or None), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
+          "-" if r["goal"] is None else f"{r['goal']}: {yes[r['met']]}"] for r in through],
+    )
+    return out
+
+
+RENDERERS: dict[str, Callable[[dict, Path], str]] = {
+    "serve": serve_block, "online": online_block, "learn": learn_block,
+}
+
+
+def render(folder: Path) -> str:
+    meta = tomllib.loads((folder / "meta.toml").read_text())
+    return provenance(meta, folder) + RENDERERS[meta["benchmark"]](meta, folder)
+
+
+def update(page: str, results: Path) -> str:
+    """The page with every marked block made again from its folder's rows."""
+    def fill(m: re.Match) -> str:
+        return m.group(1) + render(results / m.group("name")) + m.group(4)
+    return BLOCK.sub(fill, page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("page", nargs="?", type=Path, default=PAGE)
+    parser.add_argument("--results", type=Path, default=None, help="default: results/ beside the page")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the tables are stale")
+    args = parser.parse_args(argv)
+    old = args.page.read_text()
+    new = update(old, args.results or args.page.parent / "results")
+    if not args.check:
+        args.page.write_text(new)
+        return 0
+    if new != old:
+        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "committed", "made"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
