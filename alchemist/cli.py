@@ -590,9 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported after parsing: the engine package brings torch and transformers (~4 s), which --help and argument
     # errors never need.
-    from alchemist.engine.host_memory import keep_freed_memory
+    from alchemist.host_memory import keep_freed_memory
 
-    keep_freed_memory()  # this process owns the allocator: reuse freed buffers (engine/host_memory.py)
+    keep_freed_memory()  # this process owns the allocator: reuse freed buffers (host_memory.py)
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:

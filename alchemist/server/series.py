@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from alchemist.activations.store import TIERS
+from alchemist.activations.placement import TIERS
 from alchemist.feedback.log import FeedbackLog
 from alchemist.server.metrics import ServerMetrics
 

@@ -37,10 +37,11 @@ from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
-from alchemist.training.layer_backward import LiveLayer, Packing, PromptRecord, layer_backward_slices, prompt_kv
+from alchemist.training.layer_backward import layer_backward_slices, prompt_kv
 from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss, sequence_logp
 from alchemist.training.objectives import PreferenceTerm, preference_loss
+from alchemist.training.packing import LiveLayer, Packing, PromptRecord
 from alchemist.training.slices import run_to_end
 
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]

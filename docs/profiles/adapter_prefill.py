@@ -22,7 +22,7 @@ import torch
 from alchemist.bench.report import interleaved_medians
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import build_model, hf_dir_for, resolve_dtype
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.tokenizer import Tokenizer

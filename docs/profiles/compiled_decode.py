@@ -14,8 +14,8 @@ import torch
 
 from alchemist.config import EngineConfig
 from alchemist.engine.engine import LLMEngine
-from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.engine.sequence import SamplingParams
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 
 keep_freed_memory()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.bench.report import interleaved_medians
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 
 assert keep_freed_memory()  # as the server runs: the copies' buffers are reused, not page-faulted in each call
 torch.set_num_threads(2)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.bench.report import interleaved_medians
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model import cpu_kernels
 from alchemist.model.attention import KVCache
 

@@ -13,8 +13,8 @@ import torch
 
 from alchemist.config import EngineConfig
 from alchemist.engine.engine import LLMEngine
-from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.engine.sequence import SamplingParams
+from alchemist.host_memory import keep_freed_memory
 
 keep_freed_memory()
 B, CONTEXT = int(sys.argv[1]), int(sys.argv[2])

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from alchemist.activations.store import ActivationStore
 from alchemist.bench.online import build_workload
 from alchemist.bench.training import record_prefill
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import responses_hidden

@@ -22,8 +22,8 @@ from pathlib import Path
 from alchemist.bench.online import build_workload
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.feedback.log import FeedbackLog
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints

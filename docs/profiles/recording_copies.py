@@ -2,7 +2,7 @@
 
     python docs/profiles/recording_copies.py 1024 15 bfloat16      # prompt tokens, repeats, model dtype
 
-SmolLM2 with LoRA on (B = 0), 2 threads, the CLI's memory setting (``engine/host_memory``); records in bf16;
+SmolLM2 with LoRA on (B = 0), 2 threads, the CLI's memory setting (``host_memory.py``); records in bf16;
 medians, and each mode's time over ``plain``'s:
 
 - ``plain``: a serving prefill that records nothing (inference mode, no log-sum-exp);
@@ -25,7 +25,7 @@ import time
 import torch
 
 from alchemist.bench.training import record_prefill
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.attention import AttentionMetadata, attend
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter

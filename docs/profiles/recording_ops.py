@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alchemist.bench.training import make_steps
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import build_model, hf_dir_for
 
 num_prompt, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])

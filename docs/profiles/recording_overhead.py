@@ -1,5 +1,5 @@
 """Profile (not a benchmark): what recording a prompt in bf16 adds to its prefill, with glibc's default memory
-thresholds and with the CLI's (``alchemist.engine.host_memory``), and the page faults each takes.
+thresholds and with the CLI's (``alchemist.host_memory``), and the page faults each takes.
 
     python docs/profiles/recording_overhead.py 1024 2 [bfloat16]     # prompt tokens, threads, model dtype
 
@@ -18,7 +18,7 @@ import json, resource, statistics, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
 from alchemist.bench.training import make_steps
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import build_model, hf_dir_for
 
 setting, num_prompt, threads, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])

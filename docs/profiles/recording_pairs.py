@@ -13,7 +13,7 @@ import torch
 
 from alchemist.bench.report import interleaved_medians
 from alchemist.bench.training import make_steps
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import build_model, hf_dir_for
 
 assert keep_freed_memory()

@@ -79,7 +79,7 @@ def test_budget_is_never_exceeded(sequence):
         else:
             store.evict(rid)
         assert store.stats.bytes_held <= store.budget_bytes
-        assert store.stats.bytes_held == sum(r.nbytes for r in store._records.values())
+        assert store.stats.bytes_held == sum(r.nbytes for r in store._placement.entries.values())
 
 
 def test_budget_holds_under_concurrent_puts():
@@ -100,4 +100,4 @@ def test_budget_holds_under_concurrent_puts():
     for t in threads:
         t.join()
     assert not seen_over
-    assert store.stats.bytes_held == sum(r.nbytes for r in store._records.values()) <= 4000
+    assert store.stats.bytes_held == sum(r.nbytes for r in store._placement.entries.values()) <= 4000

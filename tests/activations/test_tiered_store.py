@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alchemist.activations import disk
+from alchemist.activations.placement import TIERS
 from alchemist.activations.record import RecordBuilder, record_widths
-from alchemist.activations.store import TIERS, ActivationStore, RecordCorruptError, RecordUnavailable
+from alchemist.activations.store import ActivationStore, RecordCorruptError, RecordUnavailable
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine
 from alchemist.engine.sequence import SamplingParams
@@ -357,7 +358,7 @@ def training_reader(store: ActivationStore, stop: threading.Event, errors: list[
 
 def check_accounting(store: ActivationStore, directory: Path, settled: bool) -> None:
     with store._lock:
-        s, entries = store.stats, list(store._records.values())
+        s, entries = store.stats, list(store._placement.entries.values())
         for tier in TIERS:
             assert s.tier_bytes[tier] <= store.budgets[tier]
             assert s.tier_records[tier] == sum(e.tier == tier for e in entries)
@@ -373,8 +374,8 @@ def corrupt_one(store: ActivationStore, key: int, size: int) -> str | None:
     """Flips a byte in the data of a disk record's file; the record's id (None if no record is on disk). Under the
     store's lock: the training reader may drop a record (deleting its file) at any moment otherwise."""
     with store._lock:
-        store._expire(store._clock())  # what is left is not dropped by the next lookup
-        on_disk = [e for e in store._records.values() if e.tier == "disk"]
+        store._placement.expire(store._clock())  # what is left is not dropped by the next lookup
+        on_disk = [e for e in store._placement.entries.values() if e.tier == "disk"]
         if not on_disk:
             return None
         entry = on_disk[key % len(on_disk)]

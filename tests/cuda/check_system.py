@@ -207,7 +207,7 @@ def tiered_records_replay_bit_exactly(ctx: Context) -> str:
                 store.flush()
                 assert store.tier_of("resp") == tier, store.tier_of("resp")
                 if ctx.device.type == "cuda" and tier == "host":
-                    assert all(t.is_pinned() for t in store._records["resp"].record.layers[0].values())
+                    assert all(t.is_pinned() for t in store._placement.entries["resp"].record.layers[0].values())
                 got = _grads(model, adapter, store, sample)
                 assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (dtype, tier)
                 store.close()

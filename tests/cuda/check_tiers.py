@@ -28,7 +28,7 @@ def check_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
         store.put(record)
         store.flush()
     assert [store.tier_of(r) for r in "abc"] == ["disk", "host", "device"]
-    host_layer = store._records["b"].record.layers[0]
+    host_layer = store._placement.entries["b"].record.layers[0]
     assert all(t.is_pinned() and not t.is_cuda for t in host_layer.values())
     for record in on_gpu:
         assert all(t.is_cuda for t in store.get_layer(record.record_id, 0).values())

@@ -9,7 +9,7 @@ PAGES_PER_BUFFER = (64 << 20) // 4096  # 64 MiB buffers: above glibc's largest a
 
 FAULTS_OF_FRESH_BUFFERS = """
 import resource, sys, torch
-from alchemist.engine.host_memory import keep_freed_memory
+from alchemist.host_memory import keep_freed_memory
 
 def faults_of_five_buffers():
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

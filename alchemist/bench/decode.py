@@ -1,7 +1,7 @@
 """Decode throughput of the engine alone (no HTTP), at a few batch sizes; optionally a profile of one step.
 
-    python -m alchemist.engine.decode_bench --batch 1 8 32 --context 256 --steps 64 [--dtype bfloat16]
-    python -m alchemist.engine.decode_bench --batch 8 --profile      # torch.profiler table of decode steps
+    python -m alchemist.bench.decode --batch 1 8 32 --context 256 --steps 64 [--dtype bfloat16]
+    python -m alchemist.bench.decode --batch 8 --profile      # torch.profiler table of decode steps
 
 Each run fills the batch with random prompts of ``--context`` tokens, steps until every request has its first
 token, then times ``--steps`` steps in which all requests decode: tokens/s = batch * steps / seconds.
@@ -16,8 +16,8 @@ import torch
 
 from alchemist.config import EngineConfig
 from alchemist.engine.engine import LLMEngine
-from alchemist.engine.host_memory import keep_freed_memory
 from alchemist.engine.sequence import SamplingParams
+from alchemist.host_memory import keep_freed_memory
 
 
 def decode_tokens_per_s(engine: LLMEngine, batch: int, context: int, steps: int, profile: bool = False) -> float:
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
-    keep_freed_memory()  # this process owns the allocator, as the server's does (engine/host_memory.py)
+    keep_freed_memory()  # this process owns the allocator, as the server's does (host_memory.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(
