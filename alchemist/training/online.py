@@ -262,7 +262,7 @@ class OnlineTrainer:
             yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
         if self.config.protect_energy and self.protected is None:
-            self.protected = yield from ProtectedSubspace.compute_slices(
+            self.protected = yield from ProtectedSubspace.load_or_compute_slices(
                 self.engine.model, self.engine.tokenizer, self.adapter, self.config.protect_energy
             )
             logger.info("protected directions: %s", self.protected.describe())

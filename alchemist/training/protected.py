@@ -16,22 +16,34 @@ inputs lack: the correction's own.
 - Computed once, in slices (a layer of the forward, then a layer's eigendecompositions), before the first
   training step; then the adapter's A is projected, and again after every optimizer step (``project_``). Exact
   replay is untouched: the projection is part of the update, not of the loss.
+- Kept in the cache directory a converted GGUF goes to ($ALCHEMIST_CACHE, else ~/.cache/alchemist) under a key
+  of everything it depends on (the model's weights and dtype, the seams, the energy, the chats), so that a
+  server's later starts, and other servers of the same model, load it instead of spending a minute of a busy CPU
+  on it (docs/benchmarks.md, "Learning a correction with the defaults").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from collections.abc import Generator
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.recompute import responses_hidden_slices
 
 ORDINARY_FILE = Path(__file__).with_name("ordinary_sharegpt.json")
+FORMAT = 1  # part of the cache key: a change to how the subspace is computed bumps it
+
+logger = logging.getLogger(__name__)
 
 
 class _Moments:
@@ -91,6 +103,42 @@ class ProtectedSubspace:
                 free.add(key)
         return cls(bases, frozenset(free))
 
+    @classmethod
+    def load_or_compute_slices(
+        cls, model: Llama, tokenizer: Tokenizer, adapter: LoraAdapter, energy: float, directory: Path | None = None
+    ) -> Generator[None, None, ProtectedSubspace]:
+        """``compute_slices`` for the ordinary chats, or what an earlier computation left in ``directory`` (default:
+        the model cache, ``default_cache_dir()``) under the same key; a new result is left there for the next start."""
+        chats_bytes = ORDINARY_FILE.read_bytes()
+        key = _cache_key(model, adapter, energy, chats_bytes)
+        path = (directory or default_cache_dir()) / f"protected-{key}.safetensors"
+        if path.is_file():
+            try:
+                return cls._load(path)
+            except Exception as e:  # a torn or foreign file: computed again and replaced
+                logger.warning("protected directions: %s unreadable (%s); computing them again", path, e)
+        subspace = yield from cls.compute_slices(model, tokenizer, adapter, energy, json.loads(chats_bytes))
+        try:
+            subspace._save(path)
+        except OSError as e:  # a read-only home: computed at every start, as before
+            logger.warning("protected directions: not cached (%s)", e)
+        return subspace
+
+    def _save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tensors = {key: basis.detach().cpu().contiguous() for key, basis in self.bases.items()}
+        save_file(tensors, partial, metadata={"free": json.dumps(sorted(self.free))})
+        os.replace(partial, path)  # whole or absent: a concurrent reader never sees half a file
+
+    @classmethod
+    def _load(cls, path: Path) -> ProtectedSubspace:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            free = frozenset(json.loads((f.metadata() or {})["free"]))
+        return cls(load_file(path), free)
+
     def describe(self) -> str:
         """How many directions are protected (of how many) and what the bases hold in memory."""
         kept = sum(b.shape[0] - b.shape[1] if k in self.free else b.shape[1] for k, b in self.bases.items())
@@ -117,6 +165,18 @@ def _prompt(tokenizer: Tokenizer, text: str) -> list[int]:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}])
     except ValueError:
         return tokenizer.encode(text)
+
+
+def _cache_key(model: Llama, adapter: LoraAdapter, energy: float, chats: bytes) -> str:
+    """A digest of what the subspace depends on: every weight of the model (its bytes, on the CPU), its dtype, the
+    adapter's seams and their widths, the energy, the chats, and FORMAT."""
+    digest = hashlib.sha256(f"{FORMAT}|{energy!r}|{model.dtype}".encode())
+    digest.update(json.dumps(sorted((k, list(a.shape)) for k, a in adapter.A.items())).encode())
+    digest.update(chats)
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())  # buffer: no copy
+    return digest.hexdigest()[:32]
 
 
 def principal_directions(moment: torch.Tensor, energy: float) -> tuple[torch.Tensor, int]:

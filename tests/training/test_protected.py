@@ -116,3 +116,43 @@ def _seam_inputs(model, tokenizer) -> dict[tuple[int, str], torch.Tensor]:
 def _delta_norm(adapter: LoraAdapter, inputs: dict[tuple[int, str], torch.Tensor]) -> float:
     with torch.no_grad():
         return sum(float(adapter.delta(layer, name, x).norm()) for (layer, name), x in inputs.items())
+
+
+def _run_counting(slices):
+    """(the generator's result, how many slices it took)."""
+    count = 0
+    try:
+        while True:
+            next(slices)
+            count += 1
+    except StopIteration as done:
+        return done.value, count
+
+
+def test_the_subspace_is_cached_under_a_key_of_all_it_depends_on(tiny_dirs, tmp_path):
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = LoraAdapter(model.config, seed=0)
+    load = lambda energy: _run_counting(  # noqa: E731
+        ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, energy, tmp_path)
+    )
+    computed, work = load(0.9)
+    (cached_file,) = tmp_path.glob("protected-*.safetensors")
+    loaded, no_work = load(0.9)
+    assert work > 0 and no_work == 0  # the second start loads: not a slice of work
+    reference = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9))
+    for subspace in (computed, loaded):
+        assert subspace.free == reference.free and set(subspace.bases) == set(reference.bases)
+        for key, basis in reference.bases.items():
+            torch.testing.assert_close(subspace.bases[key], basis, rtol=0, atol=0)
+    load(0.8)  # another energy, another entry
+    weight, original = model.layers[0].qkv_weight, model.layers[0].qkv_weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 1e-3  # other weights, another entry
+    load(0.9)
+    assert len(list(tmp_path.glob("protected-*.safetensors"))) == 3
+    with torch.no_grad():
+        weight[0, 0] = original
+    cached_file.write_bytes(cached_file.read_bytes()[:100])  # torn: computed again and replaced
+    again, work_again = load(0.9)
+    assert work_again > 0 and cached_file.stat().st_size > 100
+    torch.testing.assert_close(again.bases[next(iter(again.bases))], reference.bases[next(iter(again.bases))])
