@@ -40,9 +40,9 @@ import torch
 from alchemist.activations import disk
 from alchemist.activations.record import Record
 from alchemist.activations.tiers import TierCopies
+from alchemist.config import RecordConfig
 
 TIERS = ("device", "host", "disk")
-EVICT_PRIORITIES = ("requested", "lru")
 # A tier above disk starts writing records to disk once it is this full, so that a burst of puts finds room in it
 # without waiting for the disk (a put that still finds it full evicts from it).
 WRITEBACK_FRACTION = 0.75
@@ -117,15 +117,9 @@ class ActivationStore:
     ) -> None:
         """``budget_bytes`` is the device tier's. ``disk_dir`` (None: a temporary directory) is cleaned of files of
         an earlier run here. ``clock`` is compared with ``Record.created_s`` for the TTL."""
-        for name, value in (
-            ("budget_bytes", budget_bytes),
-            ("host_budget_bytes", host_budget_bytes),
-            ("disk_budget_bytes", disk_budget_bytes),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"activation store {name} must be an integer >= 0 (got {value!r})")
-        if evict_priority not in EVICT_PRIORITIES:
-            raise ValueError(f"evict_priority must be one of {', '.join(EVICT_PRIORITIES)} (got {evict_priority!r})")
+        # RecordConfig's checks are the store's (one set of bounds, however the store is built).
+        RecordConfig(store_budget_bytes=budget_bytes, host_budget_bytes=host_budget_bytes,
+                     disk_budget_bytes=disk_budget_bytes, evict_priority=evict_priority, ttl_s=ttl_s)  # fmt: skip
         self.budgets = {"device": budget_bytes, "host": host_budget_bytes, "disk": disk_budget_bytes}
         self.ttl_s = ttl_s
         self.evict_priority = evict_priority
@@ -153,7 +147,7 @@ class ActivationStore:
         self.stats = StoreStats()
 
     @classmethod
-    def from_config(cls, config) -> ActivationStore:  # a RecordConfig
+    def from_config(cls, config: RecordConfig) -> ActivationStore:
         return cls(
             config.store_budget_bytes,
             config.ttl_s,
