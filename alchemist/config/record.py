@@ -54,7 +54,7 @@ class RecordConfig:
 
 
 def check_budgets(owner: object, *names: str) -> None:
-    """Byte budgets: integers >= 0 (0 turns a tier off). The store checks its arguments with this too."""
+    """Byte budgets: integers >= 0 (0 turns a tier off); ActivationStore checks its arguments through RecordConfig."""
     check_non_negative(owner, *names, integer=True)
 
 
