@@ -54,21 +54,60 @@ def test_bench_memory_help_and_bad_shape():
 def test_serve_flags_map_onto_the_online_config():
     """Each training flag of `serve` lands in its OnlineConfig field: the defaults give OnlineConfig's defaults,
     and set flags (the quantum in ms) their values."""
-    from alchemist.cli import _online_config, build_parser
     from alchemist.config import OnlineConfig
+    from alchemist.config.parse import parse_config
 
-    parser = build_parser()
-    assert _online_config(parser.parse_args(["serve"])) == OnlineConfig()
-    args = parser.parse_args(["serve", "--train-group-size", "2", "--train-group-max-tokens", "0",
-                              "--train-quantum-ms", "40", "--no-train", "--train-no-replay"])  # fmt: skip
-    got = _online_config(args)
-    assert (got.group_size, got.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
-    assert not got.enabled and not got.replay
+    assert parse_config([]).online == OnlineConfig()
+    got = parse_config(["--train-group-size", "2", "--train-group-max-tokens", "0",
+                        "--train-quantum-ms", "40", "--no-train", "--train-no-replay"]).online  # fmt: skip
+    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
+    assert not got.enabled and not got.trainer.replay
 
 
 def test_serve_prefix_caching_flag():
-    from alchemist.cli import _engine_config, build_parser
+    from alchemist.config.parse import parse_config
 
-    parser = build_parser()
-    assert _engine_config(parser.parse_args(["serve"])).enable_prefix_caching
-    assert not _engine_config(parser.parse_args(["serve", "--no-enable-prefix-caching"])).enable_prefix_caching
+    assert parse_config([]).engine.enable_prefix_caching
+    assert not parse_config(["--no-enable-prefix-caching"]).engine.enable_prefix_caching
+
+
+def test_serve_help_groups_the_flags_and_errors_name_the_flag():
+    done = run_cli("serve", "--help")
+    assert done.returncode == 0, done.stderr
+    for group in ("engine options", "record options", "online options", "online.trainer options", "server options"):
+        assert group in done.stdout
+    done = run_cli("serve", "--record-budget-mb", "-1")
+    assert done.returncode == 2
+    assert "--record-budget-mb must be an integer >= 0 (got -1)" in done.stderr, done.stderr
+
+
+def test_bench_online_takes_serve_flags():
+    """`bench online`'s servers are configured by serve's own parser: its flags, checked, with the bench's defaults."""
+    from alchemist.bench.cli import online_servers
+    from alchemist.cli import _serve_flags
+    from alchemist.config.parse import parse_config
+
+    argv = ["bench", "online", "--json", "--max-num-seqs", "4", "--runs", "off", "--train-no-replay", "--seed", "1"]
+    rest, serve = _serve_flags(argv)
+    assert rest == ["bench", "online", "--json", "--runs", "off", "--seed", "1"]
+    config = parse_config(serve, online_servers())
+    assert (config.engine.max_num_seqs, config.record.store_budget_bytes, config.online.max_wait_s) == (4, 4 << 30, 5.0)
+    assert not config.online.trainer.replay
+    done = run_cli("bench", "online", "--train-lr", "0")
+    assert done.returncode == 2 and "--train-lr must be positive" in done.stderr, done.stderr
+
+
+def test_serve_with_the_example_config_answers(tmp_path):
+    """`alchemist serve --config examples/serve.yaml` serves: one chat completion through the official client."""
+    from tests.server.conftest import MODEL_NAME, launch_server, wait_ready
+
+    server = launch_server("example-config", tmp_path, tmp_path / "data", ["--config", "examples/serve.yaml"])
+    try:
+        wait_ready(server)
+        reply = server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0
+        )
+        assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=60)

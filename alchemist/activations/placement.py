@@ -23,7 +23,6 @@ from alchemist.activations.record import Record
 from alchemist.activations.tiers import TierCopies
 
 TIERS = ("device", "host", "disk")
-EVICT_PRIORITIES = ("requested", "lru")
 
 
 def _per_tier() -> dict[str, int]:

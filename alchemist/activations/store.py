@@ -31,9 +31,10 @@ import torch
 
 from alchemist.activations import disk
 from alchemist.activations.disk_writer import DiskWriter
-from alchemist.activations.placement import EVICT_PRIORITIES, Entry, Placement, StoreStats
+from alchemist.activations.placement import Entry, Placement, StoreStats
 from alchemist.activations.record import Record
 from alchemist.activations.tiers import TierCopies
+from alchemist.config import RecordConfig
 
 
 class RecordUnavailable(KeyError):
@@ -58,15 +59,9 @@ class ActivationStore:
     ) -> None:
         """``budget_bytes`` is the device tier's. ``disk_dir`` (None: a temporary directory) is cleaned of files of
         an earlier run here. ``clock`` is compared with ``Record.created_s`` for the TTL."""
-        for name, value in (
-            ("budget_bytes", budget_bytes),
-            ("host_budget_bytes", host_budget_bytes),
-            ("disk_budget_bytes", disk_budget_bytes),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"activation store {name} must be an integer >= 0 (got {value!r})")
-        if evict_priority not in EVICT_PRIORITIES:
-            raise ValueError(f"evict_priority must be one of {', '.join(EVICT_PRIORITIES)} (got {evict_priority!r})")
+        # RecordConfig's checks are the store's (one set of bounds, however the store is built).
+        RecordConfig(store_budget_bytes=budget_bytes, host_budget_bytes=host_budget_bytes,
+                     disk_budget_bytes=disk_budget_bytes, evict_priority=evict_priority, ttl_s=ttl_s)  # fmt: skip
         self.budgets = {"device": budget_bytes, "host": host_budget_bytes, "disk": disk_budget_bytes}
         self.stats = StoreStats()
         self._clock = clock
@@ -77,7 +72,7 @@ class ActivationStore:
         self.disk_dir = self._writer.disk_dir
 
     @classmethod
-    def from_config(cls, config) -> ActivationStore:  # a RecordConfig
+    def from_config(cls, config: RecordConfig) -> ActivationStore:
         return cls(
             config.store_budget_bytes,
             config.ttl_s,

@@ -37,12 +37,15 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from alchemist.bench.facts import FACTS, Fact, held_out_nll, held_out_replies, invented_facts, is_known
 from alchemist.bench.learn_rig import Answer, LearnRig, TrainReport
 from alchemist.bench.report import print_rows
 from alchemist.bench.sharegpt import sample_requests
-from alchemist.config import OnlineConfig
+from alchemist.config import OnlineConfig, TrainerConfig
+from alchemist.config.parse import parse_config
+from alchemist.config.root import file_flags
 from alchemist.model.loader import load_model
 
 PARTS = ("teach", "forgetting", "throughput")
@@ -51,28 +54,19 @@ OTHER_TOKENS = 24  # the anchors' (the served traffic's) answers
 UNRELATED_TOKENS = 32
 
 
-def parse_value(text: str):
-    """An OnlineConfig value from the command line: an int, a float, a tuple (commas), else the string."""
-    if "," in text:
-        return tuple(t for t in text.split(",") if t)
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if text in ("true", "false", "True", "False"):
-        return text.lower() == "true"
-    return text
-
-
 def online_config(sets: list[str]) -> OnlineConfig:
-    overrides = {}
+    """``OnlineConfig()`` with ``--set FIELD=VALUE`` overrides (a field of OnlineConfig or of its trainer, the value
+    as YAML reads it, commas making a list), parsed and checked by the serve parser."""
+    trainer_fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+    online_fields = {f.name for f in dataclasses.fields(OnlineConfig)} - {"trainer"}
+    online: dict = {"trainer": {}}
     for s in sets:
         name, sep, value = s.partition("=")
-        if not sep or name not in {f.name for f in dataclasses.fields(OnlineConfig)}:
-            raise ValueError(f"--set {s!r}: expected FIELD=VALUE with an OnlineConfig field")
-        overrides[name] = parse_value(value)
-    return dataclasses.replace(OnlineConfig(), **overrides)
+        if not sep or name not in trainer_fields | online_fields:
+            raise ValueError(f"--set {s!r}: expected FIELD=VALUE with an OnlineConfig or TrainerConfig field")
+        parsed = [yaml.safe_load(v) for v in value.split(",") if v] if "," in value else yaml.safe_load(value)
+        (online["trainer"] if name in trainer_fields else online)[name] = parsed
+    return parse_config(file_flags({"online": online}), prog="alchemist bench learn --set").online
 
 
 def sharegpt_questions(tokenizer, n: int, seed: int, exclude: set[str]) -> list[str]:

@@ -16,6 +16,7 @@ entry (a correction, a rating, a pair); a DPO pair is two sample passes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.slices import run_to_end
-from alchemist.training.trainer import Trainer, TrainerConfig
+from alchemist.training.trainer import Trainer
 
 OBJECTIVES = ("sft", "kto", "dpo")
 GOAL = 1.3  # replay over recompute, KTO and DPO (issue 24)
@@ -52,11 +53,8 @@ class MiniBatch:
         self.model, self.adapter, self.items, self.config = model, adapter, items, config
         # Records stay usable however many timed steps the adapter took: the path's cost, not its staleness, is
         # measured.
-        self.trainer = Trainer(model, adapter, store, TrainerConfig(
-            lr=config.lr, max_grad_norm=config.max_grad_norm, max_staleness=10**9, replay=replay,
-            prefetch_depth=config.prefetch_depth, group_size=config.group_size,
-            group_max_tokens=config.group_max_tokens,
-        ))  # fmt: skip
+        trainer = dataclasses.replace(config.trainer, max_staleness=10**9, replay=replay)
+        self.trainer = Trainer(model, adapter, store, trainer)
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
             dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
@@ -66,7 +64,7 @@ class MiniBatch:
         self.passes = 0
 
     def __call__(self) -> None:
-        batch = FeedbackBatch(self.items, self.weights, self.config.group_size)
+        batch = FeedbackBatch(self.items, self.weights, self.config.trainer.group_size)
         t0 = time.perf_counter()
         if batch.kto or batch.dpo:
             run_to_end(batch.references_slices(self.model))

@@ -3,14 +3,16 @@ fast training goes when it replays prompts from serving's records vs when it rec
 
     alchemist bench online [--json] [--num-requests 48] [--request-rate 0.4] [--feedback-fraction 0.5]
                            [--runs off replay recompute] [--train-share 0.2] [--drain-s 180]
-                           [--backlog-interval-s 5]
+                           [--backlog-interval-s 5] [any `alchemist serve` flag, or --config FILE]
 
-Three runs of `alchemist serve` (a fresh process and ``--data-dir`` each, ``--record-policy requested``), the same
-workload and seed each time:
+The servers take every serve flag given here (their defaults: serve's, but ``--max-num-seqs 16``,
+``--record-budget-mb 4096`` and ``--train-max-wait-s 5``), written to a config file each one reads. Three runs of
+`alchemist serve` (a fresh process and ``--data-dir`` each, ``--record-policy requested``), the same workload and
+seed each time:
 
 - ``off``: ``--no-train``, feedback is logged and nothing trains: the serving baseline;
 - ``replay``: the online trainer as it ships, replaying recorded prompts;
-- ``recompute``: ``--train-no-replay``, every prompt's forward recomputed: a separate trainer's cost.
+- ``recompute``: ``--no-train-replay``, every prompt's forward recomputed: a separate trainer's cost.
 
 Workload: ShareGPT conversations (multi-turn by default: the history is the prompt, at most ``--max-prompt-tokens``
 chat-templated), sent with Poisson arrivals at ``--request-rate`` by the official ``openai`` client (AsyncOpenAI,
@@ -51,6 +53,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from alchemist.bench.backlog import BacklogSampler
@@ -58,10 +61,11 @@ from alchemist.bench.latency import StreamClock, latency_fields
 from alchemist.bench.report import print_rows
 from alchemist.bench.serving import _free_port, stop_process
 from alchemist.bench.sharegpt import sample_requests
+from alchemist.config.root import as_dict
 from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
 
-RUNS = {"off": ["--no-train"], "replay": [], "recompute": ["--train-no-replay"]}
+RUNS = {"off": ["--no-train"], "replay": [], "recompute": ["--no-train-replay"]}
 MODEL_NAME = "bench"
 STARTUP_TIMEOUT_S = 300.0
 MIN_OUTPUT_TOKENS = 2  # TPOT needs a second token
@@ -123,17 +127,13 @@ class Server:
 
 def start_server(args: argparse.Namespace, run: str, workdir: Path) -> Server:
     port = _free_port()
-    max_model_len = args.max_prompt_tokens + args.max_tokens + 8  # + a correction's end of turn, re-encoding slack
-    cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--dtype", args.dtype, "--device", args.device]
-    cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--data-dir", str(workdir / "data")]
-    cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(max_model_len)]
-    cmd += ["--record-policy", "requested", "--record-budget-mb", str(args.record_budget_mb)]
-    cmd += ["--train-batch-size", str(args.train_batch_size), "--train-epochs", str(args.train_epochs)]
-    cmd += ["--train-max-wait-s", str(args.train_max_wait_s), "--train-share", str(args.train_share)]
-    cmd += ["--train-quantum-ms", str(args.train_quantum_ms), "--train-group-size", str(args.train_group_size)]
-    cmd += ["--train-group-max-tokens", str(args.train_group_max_tokens)]
-    cmd += ["--train-protect-energy", str(args.train_protect_energy)]
-    cmd += [*(["--model", args.model] if args.model else []), *RUNS[run]]
+    serve = args.serve  # every serve flag given to the bench (bench/cli.py's online_servers: its defaults)
+    serve.engine.max_model_len = args.max_prompt_tokens + args.max_tokens + 8  # + a correction's end, re-encoding
+    serve.record.policy = "requested"
+    config_path = workdir / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(as_dict(serve), sort_keys=False))
+    cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--config", str(config_path), "--port", str(port)]
+    cmd += ["--served-model-name", MODEL_NAME, "--data-dir", str(workdir / "data"), *RUNS[run]]
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -335,17 +335,18 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--runs: unknown run {run!r}; choose from {list(RUNS)}")
     if args.request_rate <= 0 or not 0.0 <= args.feedback_fraction <= 1.0 or args.max_tokens < MIN_OUTPUT_TOKENS:
         raise ValueError("--request-rate must be > 0, --feedback-fraction in [0, 1], --max-tokens >= 2")
-    tokenizer = Tokenizer.from_pretrained(hf_dir_for(args.model))
+    tokenizer = Tokenizer.from_pretrained(hf_dir_for(args.serve.engine.model))
+    online, trainer = args.serve.online, args.serve.online.trainer
     work = build_workload(args, tokenizer)
     note = (
         f"# {len(work.chats)} ShareGPT {args.mode} requests at {args.request_rate} req/s (Poisson, seed {args.seed}), "
         f"prompt tokens mean {np.mean(work.prompt_tokens):.0f} max {max(work.prompt_tokens)}, output tokens mean "
         f"{np.mean(work.max_tokens):.0f} (cap {args.max_tokens}, EOS ignored), {args.feedback} feedback on "
-        f"{sum(f is not None for f in work.feedback)}; train batch {args.train_batch_size}, epochs "
-        f"{args.train_epochs}, group {args.train_group_size} ({args.train_group_max_tokens} tokens), share "
-        f"{args.train_share}, quantum {args.train_quantum_ms} ms, max wait {args.train_max_wait_s} s; dtype "
-        f"{args.dtype}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
-        f"{os.getloadavg()[0]:.1f}"
+        f"{sum(f is not None for f in work.feedback)}; train batch {online.batch_size}, epochs "
+        f"{online.epochs}, group {trainer.group_size} ({trainer.group_max_tokens} tokens), share "
+        f"{online.train_share}, quantum {online.train_quantum_s * 1000:g} ms, max wait {online.max_wait_s} s; dtype "
+        f"{args.serve.engine.dtype}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load "
+        f"average at start {os.getloadavg()[0]:.1f}"
     )
     print(note, file=sys.stderr)
     rows, backlog = [], []

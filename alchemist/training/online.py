@@ -57,7 +57,7 @@ from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.regression import RegressionBounds, find_regression
-from alchemist.training.trainer import Sample, Trainer, TrainerConfig
+from alchemist.training.trainer import Sample, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +96,7 @@ class OnlineTrainer:
         model = engine.model
         lora = LoraConfig(r=config.lora_r, alpha=config.lora_alpha)
         self.adapter = LoraAdapter(model.config, lora, device=model.device, seed=config.seed)
-        self.trainer = Trainer(
-            model,
-            self.adapter,
-            engine.store,
-            TrainerConfig(
-                lr=config.lr,
-                max_grad_norm=config.max_grad_norm,
-                max_staleness=config.max_staleness,
-                replay=config.replay,
-                prefetch_depth=config.prefetch_depth,
-                group_size=config.group_size,
-                group_max_tokens=config.group_max_tokens,
-            ),
-        )
+        self.trainer = Trainer(model, self.adapter, engine.store, config.trainer)
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
@@ -127,7 +114,7 @@ class OnlineTrainer:
                                 config.gate_canary_max_mean_drop, config.gate_taught_max_rise,
                                 config.gate_taught_samples)  # fmt: skip
             try:
-                self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.group_size)
+                self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.trainer.group_size)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
         self.protected: ProtectedSubspace | None = None  # computed before the first step (protect_energy > 0)
@@ -257,7 +244,7 @@ class OnlineTrainer:
 
     def _train(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
-        feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.group_size)
+        feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.trainer.group_size)
         if feedback.kto or feedback.dpo:
             yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
@@ -387,8 +374,8 @@ class OnlineTrainer:
         recent = self.anchors.recent(c.anchor_samples)
         anchors = [(anchor, anchor.response_ids[: c.anchor_max_tokens]) for anchor in recent]
         new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
-        for start in range(0, len(new), c.group_size):
-            group = new[start : start + c.group_size]
+        for start in range(0, len(new), c.trainer.group_size):
+            group = new[start : start + c.trainer.group_size]
             pairs = [(a.prompt_ids, r) for a, r in group]
             targets = yield from references_slices(self.engine.model, pairs, c.anchor_top_k)
             for (anchor, _), anchor_targets in zip(group, targets, strict=True):

@@ -21,6 +21,7 @@ import torch
 
 from alchemist.activations.record import Record
 from alchemist.activations.store import ActivationStore, RecordUnavailable
+from alchemist.config import TrainerConfig
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import CostModel
@@ -32,35 +33,6 @@ from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.slices import run_to_end
 
 T = TypeVar("T")
-
-
-@dataclass
-class TrainerConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    max_staleness: int = 0  # adapter versions a record may lag behind and still be replayed
-    replay: bool = True  # False: always recompute (the separate-trainer baseline)
-    prefetch_depth: int = 2  # record layers read ahead of the replay walk (0: read in the walk's thread)
-    group_size: int = 4  # samples trained in one pass (their rows through each layer together)
-    # ... and at most this many rows (P + R - 1 per sample) in a pass, unless one sample alone has more: a slice (a
-    # layer of the pass) takes time in proportion, and serving waits for the slice in progress. 0: no limit.
-    group_max_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive (got {self.lr})")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 (got {self.max_staleness})")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (got {self.max_grad_norm})")
-        if self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be >= 0 (got {self.prefetch_depth})")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1 (got {self.group_size})")
-        if self.group_max_tokens < 0:
-            raise ValueError(f"group_max_tokens must be >= 0 (got {self.group_max_tokens})")
 
 
 @dataclass

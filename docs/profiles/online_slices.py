@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from alchemist.bench.online import build_workload
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, TrainerConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.host_memory import keep_freed_memory
@@ -57,9 +57,7 @@ config = OnlineConfig(
     batch_size=8,
     epochs=1,
     max_wait_s=0.0,
-    replay=mode == "replay",
-    group_size=group_size,
-    group_max_tokens=group_max_tokens,
+    trainer=TrainerConfig(replay=mode == "replay", group_size=group_size, group_max_tokens=group_max_tokens),
 )
 trainer = OnlineTrainer(engine, log, AdapterCheckpoints(data / "adapters", config.keep_versions), config)
 for i, fb in enumerate(work.feedback):

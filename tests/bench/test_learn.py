@@ -82,6 +82,6 @@ def test_invented_facts_are_deterministic_and_distinct():
 
 def test_set_overrides_online_config_fields_only():
     config = online_config(["lr=1e-3", "epochs=4", "gate=false"])
-    assert (config.lr, config.epochs, config.gate) == (1e-3, 4, False)
+    assert (config.trainer.lr, config.epochs, config.gate) == (1e-3, 4, False)
     with pytest.raises(ValueError, match="no_such_field"):
         online_config(["no_such_field=1"])

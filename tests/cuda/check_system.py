@@ -314,7 +314,7 @@ def online_trainer_trains_publishes_resumes(ctx: Context) -> str:
         tmp = Path(tmp)
         log = FeedbackLog(tmp / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(tmp / "adapters", keep=50)
-        config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=2, lr=1e-2)
+        config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=2, trainer=TrainerConfig(lr=1e-2))
         trainer = OnlineTrainer(engine, log, checkpoints, config)
         seqs = serve_and_log(engine, log, 5)
         drain(trainer)

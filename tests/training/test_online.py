@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alchemist.config import OnlineConfig
+from alchemist.config import OnlineConfig, TrainerConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
@@ -62,8 +62,8 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
     # No protected directions: on a tiny random model they would only make its outputs harder to move, which
     # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
-    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "lr": 1e-2, "gate": False,
-              "protect_energy": 0.0, **overrides}  # fmt: skip
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "gate": False,
+              "protect_energy": 0.0, "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
 

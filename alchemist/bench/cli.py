@@ -1,0 +1,212 @@
+"""`alchemist bench ...`: each benchmark's flags, registered under the main command line (alchemist/cli.py).
+
+Flags a benchmark shares with `alchemist serve` come from the config tree's fields (``add_field_flags``; `bench
+online` takes every serve flag, parsed by the serve parser). The benchmarks themselves are imported when run, so that
+``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from alchemist.config import Config, EngineConfig, OnlineConfig, RecordConfig, TrainerConfig
+from alchemist.config.parse import add_field_flags
+
+
+def _runs(module: str):
+    """The handler that imports ``alchemist.bench.<module>`` and runs its ``main(args)``."""
+    return lambda args: importlib.import_module(f"alchemist.bench.{module}").main(args)
+
+
+def _model_flags(p: argparse.ArgumentParser, **defaults: object) -> None:
+    add_field_flags(p, EngineConfig, "model", "dtype", "device", **defaults)
+
+
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    bench = sub.add_parser("bench", help="benchmarks (each takes --json: one JSON object per table row)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for register_one in (_forward, _serve, _train, _memory, _online, _learn, _ui, _soak):
+        register_one(bsub)
+    return bsub
+
+
+def _forward(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("forward", help="prefill speed, ours vs transformers on the same weights")
+    _model_flags(p, dtype="float32")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("forward"))
+
+
+def _train(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("train", help="one LoRA step: recompute vs replay vs transformers+PEFT; memory; recording")
+    add_field_flags(p, EngineConfig, "model")
+    p.add_argument("--shapes", nargs="+", default=None, help="PxR pairs, e.g. 512x128 (default: 128..2048 x 32..512)")
+    add_field_flags(p, RecordConfig, "dtype", dtype="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--prefill-repeats", type=int, default=11, help="prefills with and without recording, timed in pairs"
+    )
+    p.add_argument("--no-peft", action="store_true", help="skip the transformers + PEFT baseline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("training"))
+
+
+def _memory(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "memory", help="training step memory and time: recompute vs replay from memory vs replay from disk; budget"
+    )
+    add_field_flags(p, EngineConfig, "model")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="PxR pairs (e.g. 1024x128) or sharegpt-pNN (the NN-th percentile ShareGPT prompt and reply lengths; "
+        "default: 1024x128 2048x128 sharegpt-p50 sharegpt-p90)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per mode (medians, interleaved)")
+    p.add_argument(
+        "--budget-mib",
+        type=float,
+        default=1024,
+        help="transient step memory budget for the tokens-per-step comparison (default 1024: recompute then fits "
+        "P=512 while replay's limit stays inside SmolLM2's 8k context)",
+    )
+    p.add_argument("--budget-grid", type=int, nargs="+", default=None, help="prompt lengths probed (R = 128)")
+    p.add_argument("--no-budget", action="store_true", help="skip the tokens-per-step comparison")
+    add_field_flags(p, RecordConfig, "dtype")
+    p.add_argument("--prefetch-depth", type=int, default=TrainerConfig.prefetch_depth,
+                   help="record layers read ahead of the replay walk")  # fmt: skip
+    add_field_flags(p, OnlineConfig, "lora_r")
+    p.add_argument("--record-dir", default=None, help="where record files go (default: a temporary directory)")
+    p.add_argument("--sharegpt-samples", type=int, default=2000, help="conversations for the sharegpt-pNN lengths")
+    p.add_argument("--sharegpt-mode", default="multi_turn", choices=["multi_turn", "first_turn"])
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("memory"))
+
+
+def _serve(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "serve", help="ShareGPT chat load on an OpenAI-compatible server (ours by default): tokens/s, TTFT, TPOT, ITL"
+    )
+    p.add_argument(
+        "--base-url", default=None, help="the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (default: "
+        "start `alchemist serve` here)"
+    )  # fmt: skip
+    p.add_argument("--model", default=None, help="the model name requests carry (default: the first of GET /models)")
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, else 'unused'")
+    p.add_argument(
+        "--model-path", default=None, help="HF model directory or .gguf: of the server started here, of the engine "
+        "and transformers systems, and the tokenizer that counts prompt tokens (default: SmolLM2-135M-Instruct)"
+    )  # fmt: skip
+    add_field_flags(p, EngineConfig, "dtype", "device")  # of what runs here
+    p.add_argument(
+        "--workloads", "--workload", nargs="+", default=["first_turn"], help="first_turn (ShareGPT first user turns) "
+        "and/or multi_turn (conversations continued turn by turn with the server's replies)"
+    )  # fmt: skip
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4; multi_turn: "
+        "whole conversations until their turns reach it)"
+    )  # fmt: skip
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts longer are skipped (multi_turn: cut)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    p.add_argument("--reuse-prompts", action="store_true", help="every level of a workload sends the same prompts")
+    p.add_argument("--systems", nargs="+", default=["http"], help="http, and in process: engine, transformers")
+    p.add_argument("--enforce-eager", action="store_true", help="our engine and server decode eager (no compile)")
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("serving"))
+
+
+def online_servers() -> Config:
+    """`bench online`'s servers before its flags: serve's defaults, but 16 sequences, a 4 GiB device store and a
+    shorter wait for a partial batch."""
+    config = Config()
+    config.engine.max_num_seqs = 16
+    config.record.store_budget_bytes = 4 << 30
+    config.online.max_wait_s = 5.0
+    return config
+
+
+def _online(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "online", help="the online loop under load: latency with training off/on, replay vs recompute",
+        epilog="Every `alchemist serve` flag (and --config FILE) sets the servers it starts (see alchemist serve "
+        "--help); here their defaults are serve's but --max-num-seqs 16 --record-budget-mb 4096 --train-max-wait-s 5.",
+    )  # fmt: skip
+    p.add_argument("--runs", nargs="+", default=["off", "replay", "recompute"])
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--request-rate", type=float, default=0.4, help="requests per second (Poisson arrivals)")
+    p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
+    p.add_argument("--max-prompt-tokens", type=int, default=768)
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens and on corrections")
+    p.add_argument("--feedback-fraction", type=float, default=0.5, help="responses that get feedback")
+    p.add_argument("--feedback", default="correction", choices=["correction", "rating"])
+    p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
+    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("online"), serve_base=online_servers)
+
+
+def _learn(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "learn", help="corrections learned with the default settings: facts per correction, forgetting, samples/s"
+    )
+    _model_flags(p)
+    p.add_argument("--parts", nargs="+", default=["teach", "forgetting", "throughput"],
+                   help="teach, forgetting and/or throughput")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an OnlineConfig field other than its default (repeatable), e.g. lr=1e-3")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="teach: rounds of asking and correcting")
+    p.add_argument("--teach-facts", type=int, default=10, help="teach: how many of the ten facts")
+    p.add_argument(
+        "--others", type=int, default=16, help="ShareGPT questions served beside each teach round (forgetting: first)"
+    )
+    p.add_argument("--unrelated", type=int, default=30, help="teach: ShareGPT questions whose answers should stay")
+    p.add_argument("--facts", type=int, default=50, help="forgetting: facts taught one after another")
+    p.add_argument("--others-per-fact", type=int, default=2, help="forgetting: ShareGPT questions served per fact")
+    d = OnlineConfig()
+    p.add_argument("--throughput-items", type=int, default=d.batch_size, help="throughput: feedback per mini-batch")
+    p.add_argument("--max-prompt-tokens", type=int, default=768, help="throughput: ShareGPT multi-turn prompts")
+    p.add_argument("--max-response-tokens", type=int, default=128, help="throughput: replies cut to this")
+    p.add_argument("--repeats", type=int, default=3, help="throughput: timed mini-batches per way (medians)")
+    p.add_argument("--seed", type=int, default=0, help="throughput: ShareGPT sampling seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("learn"))
+
+
+def _ui(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("ui", help="the web app in chromium: page weight, time to first token painted vs the API's")
+    p.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
+    p.add_argument("--model-path", default=None, help="of the server started here (default: SmolLM2-135M-Instruct)")
+    add_field_flags(p, EngineConfig, "dtype", "device")  # of the server started here
+    p.add_argument("--rounds", type=int, default=8, help="questions asked both through the API and in the page")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--settle-s", type=float, default=1.0, help="requests after the load event still counted")
+    p.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("ui"))
+
+
+def _soak(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("soak", help="streaming clients with feedback for minutes: errors, resident memory, backlog")
+    _model_flags(p)
+    p.add_argument("--runs", nargs="+", default=["on", "off"], help="on: training on; off: --no-train")
+    p.add_argument("--clients", type=int, default=16, help="streaming clients, each one request at a time")
+    p.add_argument("--minutes", type=float, default=5.0, help="how long each run's load lasts")
+    p.add_argument("--correct-every", type=int, default=4, help="a correction on every k-th answer, thumbs on others")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens asked for per request; cap on corrections")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=256, help="ShareGPT first turns, cycled through")
+    p.add_argument("--sample-interval-s", type=float, default=5.0, help="how often RSS and the backlog are sampled")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS after warm-up: the first sample past this")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="an extra `alchemist serve` argument (repeatable): --serve-arg=--train-lr=1e-3")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("soak"))

@@ -1,0 +1,113 @@
+"""The server section: where the OpenAI-compatible server listens, its public model name, state, keys and limits."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from alchemist.config.fields import (
+    check,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_positive_ints,
+    choices_of,
+    flag,
+    run_checks,
+)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to bind) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def _non_empty(owner: object, name: str, none_means: str | None = None) -> None:
+    value = getattr(owner, name)
+    ok = (value is None and none_means is not None) or (isinstance(value, str) and bool(value.strip()))
+    check(owner, ok, name, "must not be empty" + (f" (None: {none_means})" if none_means else ""))
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI-compatible HTTP server: where it listens, the model's public name, state, API keys and limits."""
+
+    host: Annotated[str, flag("host", "address to bind (not loopback: needs API keys or --allow-unauthenticated)")] = (
+        "127.0.0.1"
+    )
+    port: Annotated[int, flag("port", "port to bind (0: any free one)")] = 8000
+    served_model_name: Annotated[str | None, flag("served-model-name", "the model name clients send (None: the "
+                                                  "model file's or directory's stem)")] = None  # fmt: skip
+    max_body_bytes: Annotated[int, flag("max-body-bytes", "larger request bodies get a 413")] = 1 << 20
+    max_completions_kept: Annotated[int, flag("max-completions-kept", "finished completions kept by response id, "
+                                              "for feedback")] = 10_000  # fmt: skip
+    completion_ttl_s: Annotated[float, flag("completion-ttl-s", "... and for how long")] = 24 * 3600.0
+    data_dir: Annotated[str, flag("data-dir", "durable state: feedback log, adapters (created at start-up)")] = (
+        "alchemist-data"
+    )
+    feedback_db: Annotated[str | None, flag("feedback-db", "the feedback log's SQLite file (None: "
+                                            "DATA_DIR/feedback.sqlite)")] = None  # fmt: skip
+    # API keys (alchemist.server.auth). Without any the server is open to whoever reaches it, so it binds a loopback
+    # address only, unless told otherwise.
+    api_key: Annotated[str | None, flag("api-key", "one admin key (default: $ALCHEMIST_API_KEY)")] = None
+    api_keys_file: Annotated[str | None, flag("api-keys-file", "named user and admin keys, hashed (alchemist keys "
+                                              "add); reloaded when it changes")] = None  # fmt: skip
+    allow_unauthenticated: Annotated[bool, flag("allow-unauthenticated", "serve a non-loopback --host without any "
+                                                "API key")] = False  # fmt: skip
+    metrics_access: Annotated[Literal["public", "admin"], flag("metrics-access", "who may read /metrics (when keys "
+                              "are configured)")] = "admin"  # fmt: skip
+    docs_access: Annotated[Literal["public", "admin"], flag("docs-access", "who may read /docs and "
+                           "/openapi.json")] = "admin"  # fmt: skip
+    # Limits of every key (a key's entry in the keys file may set its own; alchemist.server.limits). Callers without
+    # a key (no keys configured: loopback only) are not limited.
+    requests_per_minute: Annotated[float, flag("rate-limit-requests", "completion requests per key a minute "
+                                               "(0: no limit)")] = 0.0  # fmt: skip
+    feedback_per_minute: Annotated[float, flag("rate-limit-feedback", "feedback per key a minute (0: no "
+                                               "limit)")] = 0.0  # fmt: skip
+    max_streams_per_key: Annotated[int, flag("max-streams-per-key", "streaming completions a key has open at once "
+                                             "(0: no limit)")] = 0  # fmt: skip
+    record_mb_per_hour: Annotated[float, flag("record-quota-mb-per-hour", "prompt records a key's "
+                                              "{\"alchemist\": {\"record\": true}} may ask for")] = 2048.0  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.data_dir = str(self.data_dir)  # a Path is welcome too
+        if self.feedback_db is not None:
+            self.feedback_db = str(self.feedback_db)
+        run_checks(self)
+
+    def check(self) -> None:
+        check(self, isinstance(self.port, int) and 0 <= self.port <= 65535, "port", "must be an integer in 0..65535")
+        if self.served_model_name is not None:
+            _non_empty(self, "served_model_name")
+        check_positive_ints(self, "max_body_bytes", "max_completions_kept")
+        check_positive(self, "completion_ttl_s")
+        _non_empty(self, "data_dir")
+        _non_empty(self, "feedback_db", none_means="<data_dir>/feedback.sqlite")
+        check_non_negative(self, "requests_per_minute", "feedback_per_minute", "record_mb_per_hour")
+        check_non_negative(self, "max_streams_per_key", integer=True)
+        check_choice(self, "metrics_access", ACCESS_CHOICES)
+        check_choice(self, "docs_access", ACCESS_CHOICES)
+        if self.api_key is not None:
+            _non_empty(self, "api_key")
+        check(self, self.has_keys or self.allow_unauthenticated or is_loopback(self.host), "host",
+              "is not a loopback address: refusing to serve it without API keys, anyone who reaches it could train "
+              "and roll back the model. Give --api-key or --api-keys-file, or --allow-unauthenticated if that is "
+              "what you want")  # fmt: skip
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key) or self.api_keys_file is not None
+
+    @property
+    def feedback_db_path(self) -> str:
+        return self.feedback_db if self.feedback_db is not None else os.path.join(self.data_dir, "feedback.sqlite")
+
+
+ACCESS_CHOICES = choices_of(ServerConfig, "metrics_access")

@@ -1,0 +1,179 @@
+"""The training sections: the trainer's step (``TrainerConfig``) and the online loop around it (``OnlineConfig``).
+
+``OnlineConfig.trainer`` is the step the loop runs, so each of the step's settings has one default and one check,
+whether a test builds a ``Trainer`` alone or the server runs the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from alchemist.config.fields import (
+    MS,
+    check,
+    check_non_negative,
+    check_positive,
+    check_positive_ints,
+    flag,
+    run_checks,
+)
+
+
+@dataclass
+class TrainerConfig:
+    """The trainer's step: optimizer, record reuse, and how many samples go through the model together."""
+
+    # Learning a correction from one or two: a burst of corrections trains as one batch, for up to 8 steps at 2e-3
+    # (OnlineConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
+    # each (docs/benchmarks.md, "Learning a correction with the defaults").
+    lr: Annotated[float, flag("train-lr", "AdamW learning rate")] = 2e-3
+    weight_decay: Annotated[float, flag("train-weight-decay", "AdamW weight decay")] = 0.0
+    betas: Annotated[tuple[float, float], flag("train-betas", "AdamW betas")] = (0.9, 0.999)
+    max_grad_norm: Annotated[float, flag("train-max-grad-norm", "gradient clipping (0: none)")] = 1.0
+    max_staleness: Annotated[int, flag("train-max-staleness",
+                                       "adapter versions a record may lag and still be replayed (0: exact only)")] = 4
+    replay: Annotated[bool, flag("train-replay", "replay recorded prompts (else recompute every prompt: the "
+                                 "separate-trainer baseline)")] = True  # fmt: skip
+    prefetch_depth: Annotated[int, flag("train-prefetch-depth", "record layers read ahead of the replay walk "
+                                        "(0: read in the walk's thread)")] = 2  # fmt: skip
+    # Samples (feedback and anchors) trained in one pass, their rows through each layer together: faster per
+    # sample (docs/profiles/group_step.py), and a slice (a layer of a replay walk) takes that much longer. 8 trained
+    # 10-20% faster than 4 in `bench online`, but serving's TPOT met its goal in none of three runs with 8 (one of
+    # two with 4): serving has priority (docs/benchmarks.md, "Samples trained together").
+    group_size: Annotated[int, flag("train-group-size", "samples trained together in one pass")] = 4
+    # ... and at most this many rows (P + R - 1 per sample) in a pass, unless one sample alone has more: a slice is a
+    # layer of a group's pass, so this bounds how long serving waits for one (docs/benchmarks.md, "Slices").
+    group_max_tokens: Annotated[int, flag("train-group-max-tokens", "rows of a pass at most (bounds a slice); "
+                                          "0: no limit")] = 2048  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # a config file's list
+        run_checks(self)
+
+    def check(self) -> None:
+        check_positive(self, "lr")
+        check_non_negative(self, "weight_decay", "max_grad_norm")
+        check(self, len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+              "must be two numbers in [0, 1)")  # fmt: skip
+        check_non_negative(self, "max_staleness", "prefetch_depth", "group_max_tokens", integer=True)
+        check_positive_ints(self, "group_size")
+        check(self, isinstance(self.replay, bool), "replay", "must be a bool")
+
+
+@dataclass
+class OnlineConfig:
+    """The online trainer inside the server: feedback -> mini-batches -> LoRA steps -> published adapter versions."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    enabled: Annotated[bool, flag("train", "train on feedback (--no-train: log it, train nothing)")] = True
+    # A burst of corrections trains as one batch until each one's loss is under target_loss, the adapter kept out of
+    # ordinary chat's directions (protect_energy).
+    batch_size: Annotated[int, flag("train-batch-size", "feedback samples per optimizer step")] = 16
+    # One API key's entries take at most this share of a batch's places while other keys' feedback waits (its
+    # excess waits for later batches, never dropped; with no one else waiting it fills the batch).
+    key_share: Annotated[float, flag("train-key-share", "most of a batch one API key takes while others' feedback "
+                                     "waits (1: no cap)")] = 0.5  # fmt: skip
+    max_wait_s: Annotated[float, flag("train-max-wait-s", "train a partial batch once its oldest feedback waited "
+                                      "this long")] = 10.0  # fmt: skip
+    epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 8
+    target_loss: Annotated[float, flag("train-target-loss", "a mini-batch's steps end once every correction's loss "
+                                       "(mean per token) is under this (0: always --train-epochs)")] = 0.2  # fmt: skip
+    lora_r: Annotated[int, flag("lora-r", "the adapter's rank")] = 16
+    lora_alpha: Annotated[float, flag("lora-alpha", "the adapter's scale numerator (alpha / r)")] = 32.0
+    # The adapter's A stays orthogonal to the directions holding this share of ordinary chat's inputs at each seam
+    # (alchemist.training.protected): corrections are learned without moving unrelated answers as much.
+    protect_energy: Annotated[float, flag("train-protect-energy", "share of ordinary chat's input directions the "
+                                          "adapter may not read (0: off)")] = 0.97  # fmt: skip
+    keep_versions: Annotated[int, flag("keep-adapter-versions", "adapter versions kept on disk (rollback "
+                                       "targets)")] = 8  # fmt: skip
+    # Time-sliced with serving, never concurrent (design note, section 12); with no request in flight, training takes
+    # whatever is free.
+    train_share: Annotated[float, flag("train-share", "share of the time training takes while requests are "
+                                       "served")] = 0.2  # fmt: skip
+    # Slices back to back let a replay train faster under load, but serving's TPOT measured worse with them
+    # (alchemist.server.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
+    train_quantum_s: Annotated[float, flag("train-quantum-ms", "while serving, train in turns of slices up to this "
+                                           "long (0: a slice after every engine step)"), MS] = 0.0  # fmt: skip
+    seed: Annotated[int, flag("train-seed", "the adapter's initialisation")] = 0
+    # Each step also minimises anchor_weight x KL(base || adapted) on the responses of the anchor_samples most
+    # recent served completions (top-k of the base distribution; alchemist.training.anchors).
+    anchor_weight: Annotated[float, flag("train-anchor-weight", "weight of the KL to the base model on served "
+                                         "traffic (0: off)")] = 3.0  # fmt: skip
+    anchor_samples: Annotated[int, flag("train-anchor-samples", "recent served completions per step")] = 16
+    anchor_top_k: Annotated[int, flag("train-anchor-top-k", "base-model tokens kept per anchor position")] = 32
+    anchor_max_tokens: Annotated[int, flag("train-anchor-max-tokens", "response tokens of an anchor")] = 64
+    anchor_pool_size: Annotated[int, flag("train-anchor-pool-size", "served completions kept as candidate "
+                                          "anchors")] = 256  # fmt: skip
+    # Poisoning guard (alchemist.training.quarantine). 4: a correction of random characters had about 4x the loss of
+    # sensible ones on SmolLM2 (tests/server/test_poisoning.py, where the factor is 3).
+    loss_spike_factor: Annotated[float, flag("train-loss-spike-factor", "quarantine a sample whose loss exceeds "
+                                             "this x the running level (0: NaN/inf only)")] = 4.0  # fmt: skip
+    loss_spike_warmup: Annotated[int, flag("train-loss-spike-warmup", "losses seen before spikes count")] = 8
+    # The evaluation gate (alchemist.training.evaluation): a new version serves only if it is within all its bounds.
+    gate: Annotated[bool, flag("train-gate", "evaluate new adapter versions before they serve")] = True
+    gate_heldout_max_rise: Annotated[float, flag("train-gate-heldout-max-rise", "held-out perplexity rise over the "
+                                                 "base model a version may have (0.1: a tenth)")] = 0.10  # fmt: skip
+    gate_canary_max_drop: Annotated[float, flag("train-gate-canary-max-drop", "nats any canary answer's "
+                                                "log-probability may lose against the base model")] = 6.0  # fmt: skip
+    gate_canary_max_mean_drop: Annotated[float, flag("train-gate-canary-max-mean-drop",
+                                                     "... and all of them on average")] = 3.0  # fmt: skip
+    gate_taught_max_rise: Annotated[float, flag("train-gate-taught-max-rise", "nats per token a fact taught "
+                                                "earlier may lose against the serving version")] = 1.0  # fmt: skip
+    gate_taught_samples: Annotated[int, flag("train-gate-taught-samples", "facts taught earlier (the most recent "
+                                             "trained corrections) that are checked")] = 16  # fmt: skip
+    # Watching what serves (alchemist.training.regression): serving goes back past versions whose users rate them
+    # clearly worse than those before (thumbs-down rate, pooled, one key at most key_share of the ratings counted).
+    rollback_min_ratings: Annotated[int, flag("train-rollback-min-ratings", "roll back versions users rate worse, "
+                                              "given this many ratings a side (0: never)")] = 30  # fmt: skip
+    rollback_margin: Annotated[float, flag("train-rollback-margin", "... when their thumbs-down rate is higher by "
+                                           "this much (0.15: 15 points)")] = 0.15  # fmt: skip
+    rollback_z: Annotated[float, flag("train-rollback-z", "... and by a one-sided two-proportion z-test at this "
+                                      "z")] = 3.0  # fmt: skip
+    # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
+    # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
+    sft_weight: Annotated[float, flag("train-sft-weight", "weight of the SFT loss (corrections)")] = 1.0
+    kto_weight: Annotated[float, flag("train-kto-weight", "weight of the KTO loss (ratings without a "
+                                      "correction)")] = 1.0  # fmt: skip
+    dpo_weight: Annotated[float, flag("train-dpo-weight", "weight of the DPO loss (preference pairs)")] = 1.0
+    kto_beta: Annotated[float, flag("train-kto-beta", "KTO's beta")] = 0.1
+    dpo_beta: Annotated[float, flag("train-dpo-beta", "DPO's beta")] = 0.1
+    kto_desirable_weight: Annotated[float, flag("train-kto-desirable-weight", "KTO's weight of desirable "
+                                                "samples (thumbs up)")] = 1.0  # fmt: skip
+    kto_undesirable_weight: Annotated[float, flag("train-kto-undesirable-weight", "KTO's weight of undesirable "
+                                                  "samples (thumbs down)")] = 1.0  # fmt: skip
+    thumbs_up: Annotated[Literal["kto", "sft"], flag("train-thumbs-up", "a thumbs-up without a correction: "
+                         "KTO-desirable, or SFT on the served answer")] = "kto"  # fmt: skip
+    # The backlog policy: what is still untrained this long after it arrived is skipped (its state says why).
+    skip_ratings_after_s: Annotated[float, flag("train-skip-ratings-after-s", "skip ratings and preferences not "
+                                                "trained this long after arrival (0: never)")] = 1800.0  # fmt: skip
+    skip_corrections_after_s: Annotated[float, flag("train-skip-corrections-after-s", "skip corrections not "
+                                                    "trained this long after arrival (0: never)")] = 0.0  # fmt: skip
+
+    @property
+    def per_key(self) -> int | None:
+        """The most places of a batch one key takes while others wait (None: no cap)."""
+        return None if self.key_share >= 1.0 else max(1, int(self.key_share * self.batch_size))
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        self.trainer.check()
+        check_positive_ints(self, "batch_size", "epochs", "lora_r", "keep_versions", "anchor_samples", "anchor_top_k",
+                            "anchor_max_tokens", "anchor_pool_size")  # fmt: skip
+        check_non_negative(self, "sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight",
+                           "kto_undesirable_weight", "skip_ratings_after_s", "skip_corrections_after_s",
+                           "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s")  # fmt: skip
+        check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",
+                       "gate_canary_max_mean_drop", "gate_taught_max_rise")  # fmt: skip
+        check_non_negative(self, "gate_taught_samples", "loss_spike_warmup", "seed", "rollback_min_ratings",
+                           integer=True)  # fmt: skip
+        check_non_negative(self, "rollback_margin", "rollback_z")
+        check(self, self.thumbs_up in ("kto", "sft"), "thumbs_up", "must be 'kto' or 'sft'")
+        check(self, 0.0 <= self.protect_energy < 1.0, "protect_energy", "must be in [0, 1)")
+        check(self, 0.0 < self.key_share <= 1.0, "key_share", "must be in (0, 1]")
+        check(self, 0.0 <= self.train_share < 1.0, "train_share", "must be in [0, 1)")
+        check(self, 0.0 <= self.train_quantum_s <= 1.0, "train_quantum_s", "must be between 0 and a second")
+        for name in ("enabled", "gate"):
+            check(self, isinstance(getattr(self, name), bool), name, "must be a bool")
