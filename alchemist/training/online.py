@@ -200,24 +200,24 @@ class OnlineTrainer:
         return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
-        """One slice of training work (a rollback asked for is one); returns the seconds it took. Call it from the
+        """One slice of training work, or a rollback asked for; returns the seconds it took. Call it from the
         thread that steps the engine, between its steps."""
         t0 = time.perf_counter()
         if self._job is None and self._rollbacks:
             self._roll_back_next()
-        elif self._job is not None or self.has_work():
-            if self._job is None:
-                self._job = self._train(self.queue.head())
-            try:
-                next(self._job)
-            except StopIteration:
-                self._job = None
-            except Exception:
-                # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
-                logger.exception("online training failed; its batch will be read again")
-                self._abandon()
-        else:
+            return time.perf_counter() - t0  # serving's time share counts it; training's seconds do not
+        if not self.has_work():
             return 0.0
+        if self._job is None:
+            self._job = self._train(self.queue.head())
+        try:
+            next(self._job)
+        except StopIteration:
+            self._job = None
+        except Exception:
+            # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
+            logger.exception("online training failed; its batch will be read again")
+            self._abandon()
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed

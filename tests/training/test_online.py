@@ -96,6 +96,9 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
     # adapter is at versions 0..4: the first batch at 0 and 1, the second at 2 and 3, the last at 4, then stale.
     assert (trainer.stats.replayed, trainer.stats.recomputed) == (9, 1)
     assert trainer.stats.staleness_sum == 2 * (0 + 1) + 2 * (2 + 3) + 4  # versions behind, over replayed records
+    # One set of counters, each counted once: the optimizer's steps, the sample passes (5 samples, 2 epochs).
+    assert (trainer.stats.steps, trainer.stats.samples, trainer.stats.stale) == (6, 10, 1)
+    assert trainer.stats is trainer.trainer.stats
     assert not trainer.has_work()
 
 
