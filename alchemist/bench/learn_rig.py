@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
@@ -61,13 +62,15 @@ class LearnRig:
         self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
         self.config = dataclasses.replace(config, max_wait_s=0.0)
-        self.engine = LLMEngine(
-            self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), RecordConfig()
-        )  # fmt: skip
+        records = RecordConfig()
+        self.store = ActivationStore.from_config(records)  # the engine records into it, the trainer replays from it
+        self.engine = LLMEngine(self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), records,
+                                self.store)  # fmt: skip
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = FeedbackLog(workdir / "feedback.sqlite")
         self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.keep_versions)
-        self.trainer = OnlineTrainer(self.engine, self.log, self.checkpoints, self.config)
+        self.trainer = OnlineTrainer(self.loaded.model, self.tokenizer, self.engine, self.store, self.log,
+                                     self.checkpoints, self.config)  # fmt: skip
         self._ids = itertools.count()
 
     def prompt(self, question: str) -> list[int]:

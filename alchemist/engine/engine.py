@@ -75,10 +75,12 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         record_config: RecordConfig | None = None,
+        store: ActivationStore | None = None,
     ) -> None:
         """An engine over an already loaded model (``config.model``, ``dtype`` and ``device`` are then unused).
 
-        With a ``record_config`` whose policy is not "none", prompts are recorded into ``self.store``.
+        With a ``record_config`` whose policy is not "none", prompts are recorded into ``store``: the app builds it
+        and hands it to the trainer too. Without one the engine makes its own (offline use, tests).
         """
         self.config = (config or EngineConfig()).resolve(model.config.max_position_embeddings)
         c = self.config
@@ -88,7 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
-        self.store = ActivationStore.from_config(rc)
+        self.store = store if store is not None else ActivationStore.from_config(rc)
         self.recorder = None
         if rc.policy != "none":
             self.recorder = Recorder(rc, self.store, model.config, model.device, compute_dtype=model.dtype)
@@ -193,7 +195,8 @@ class LLMEngine:
         return pending[1] if pending is not None else self.runner.adapter_version
 
     def close(self) -> None:
-        """The engine is done: its activation store drops every record and file and stops its disk writer."""
+        """The engine is done (its stepping thread, the store's last user, calls this): the activation store it
+        records into drops every record and file and stops its disk writer."""
         self.store.close()
 
     def has_unfinished(self) -> bool:

@@ -4,10 +4,13 @@
     POST /v1/adapters/rollback   {"version": 3} -> AdapterInfo of the new version that serves version 3's weights
 
 The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
-trainer's (``OnlineTrainer.rollback``), which waits for the batch in training to be checkpointed first.
+trainer's (``OnlineTrainer.rollback``): asked for here, in the server's thread pool, and done by the stepping thread
+once the batch in training is checkpointed (all torch work runs there: the Note in ``alchemist.server.async_engine``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from alchemist.engine import LLMEngine
 from alchemist.server.errors import AdapterNotFoundError, TrainingDisabledError
@@ -17,10 +20,17 @@ from alchemist.training.online import OnlineTrainer
 
 
 class AdapterService:
-    def __init__(self, engine: LLMEngine, trainer: OnlineTrainer | None, checkpoints: AdapterCheckpoints | None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        trainer: OnlineTrainer | None,
+        checkpoints: AdapterCheckpoints | None,
+        wake: Callable[[], None] = lambda: None,
+    ):
         self.engine = engine
         self.trainer = trainer
         self.checkpoints = checkpoints
+        self.wake = wake  # the stepping thread looks for work now (a rollback is some)
 
     def list(self) -> AdapterList:
         serving = self.engine.adapter_version
@@ -32,7 +42,9 @@ class AdapterService:
         if self.trainer is None or self.checkpoints is None:
             raise TrainingDisabledError()
         try:
-            version = self.trainer.rollback(req.version)
+            done = self.trainer.rollback(req.version)
+            self.wake()
+            version = done.result()  # this thread waits; the stepping thread does the work
         except KeyError:
             raise AdapterNotFoundError(req.version, [v.version for v in self.checkpoints.versions()]) from None
         info = next(v for v in self.checkpoints.versions() if v.version == version)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from alchemist.activations.record import record_bytes_per_token
+from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
@@ -52,6 +53,7 @@ from alchemist.server.quarantine import router as quarantine_router
 from alchemist.server.routes import router
 from alchemist.server.series import SeriesRecorder
 from alchemist.server.service import OpenAIServing
+from alchemist.server.time_share import TimeShare
 from alchemist.server.web import mount_web
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
@@ -208,11 +210,14 @@ def app_for_engine(
     server_config: ServerConfig,
     own_step_thread: bool = True,
     online_config: OnlineConfig | None = None,
+    store: ActivationStore | None = None,
 ) -> FastAPI:
     """The app around ``engine``, with the online trainer of ``online_config`` (None: the defaults) stepping
-    beside it. With ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()`` (see
-    ``run_server``)."""
+    beside it: it replays from ``store`` (the one the engine records into: by default ``engine.store``) and
+    publishes to the engine, which it knows only by ``alchemist.training.seams``' Protocols. With
+    ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()`` (see ``run_server``)."""
     online_config = online_config or OnlineConfig()
+    store = store if store is not None else engine.store
     metrics = ServerMetrics(engine.stats)
     feedback_log = FeedbackLog(server_config.feedback_db_path)
     feedback_log.add_listener(metrics.observe_feedback)
@@ -220,19 +225,17 @@ def app_for_engine(
     trainer = None
     checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
     if online_config.enabled:
-        trainer = OnlineTrainer(engine, feedback_log, checkpoints, online_config)  # resumes from its checkpoint
+        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
+                                online_config)  # resumes from its checkpoint  # fmt: skip
         metrics.watch_training(trainer)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
         engine.set_adapter(adapter, serving.version)
-    async_engine = AsyncEngine(
-        engine,
-        on_outputs=metrics.observe,
-        own_step_thread=own_step_thread,
-        background=trainer,
-        background_share=online_config.train_share,
-        background_quantum_s=online_config.train_quantum_s,
-    )
+    time_share = None
+    if trainer is not None:
+        share, quantum_s = online_config.train_share, online_config.train_quantum_s
+        time_share = TimeShare(trainer, engine.has_arrivals, share, quantum_s)
+    async_engine = AsyncEngine(engine, metrics.observe, own_step_thread, time_share)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None
@@ -248,7 +251,7 @@ def app_for_engine(
     app.state.feedback_log = feedback_log
     app.state.feedback = FeedbackService(feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
     app.state.trainer = trainer
-    app.state.adapters = AdapterService(engine, trainer, checkpoints)
+    app.state.adapters = AdapterService(engine, trainer, checkpoints, async_engine.wake)
     return app
 
 
@@ -278,9 +281,10 @@ def create_app(
     record_config = record_config or RecordConfig()
     if record_config.disk_dir is None:  # the disk tier's files live with the server's other state
         record_config = dataclasses.replace(record_config, disk_dir=str(Path(server_config.data_dir) / "activations"))
-    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config)
+    store = ActivationStore.from_config(record_config)  # the engine records into it, the trainer replays from it
+    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config, store)
     names = served_model_names(server_config, loaded.source, engine_config.model)
-    return app_for_engine(engine, names, server_config, own_step_thread, online_config)
+    return app_for_engine(engine, names, server_config, own_step_thread, online_config, store)
 
 
 def app_urls(server_config: ServerConfig) -> str:

@@ -11,20 +11,9 @@ asyncio queues. A stream that is closed before its request finished (client disc
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
 loop calls them directly.
 
-Training beside serving: a ``background`` worker (the online trainer) gets the stepping thread between engine steps,
-in slices, never at the same time as a step (concurrent training slowed decode steps severalfold on this CPU:
-docs/benchmarks.md, "Training beside a step"). With requests in flight it may take ``share`` of the time: each
-engine step earns it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by
-default one slice after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent in
-turns instead: once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted
-``quantum_s`` (plus the slice that crosses it), then serving steps until it is earned again; a request that arrives ends
-a turn after the slice in progress, and one that arrived during a step is scheduled before any slice runs, unless
-training's credit is full (``MAX_CREDIT_S``): then training takes its turn anyway, so that a steady stream of arrivals
-cannot starve it (16 closed-loop clients did in `alchemist bench soak`: docs/benchmarks.md, "Soak"). Each switch finds
-the other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online`` turns let the
-replay trainer train faster under load, but serving's TPOT measured worse with them in every pair (docs/benchmarks.md,
-"Why the defaults"), so they are off by default. With no request in flight training runs slice after slice, and a new
-request waits for one slice at most.
+Training beside serving: a ``TimeShare`` (``alchemist.server.time_share``, the policy) gets the stepping thread
+between engine steps, for slices of the online trainer's work; this loop only tells it when a step ran and when
+serving is idle.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.
@@ -42,22 +31,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
+from alchemist.server.time_share import TimeShare
 
 logger = logging.getLogger(__name__)
 
-
-class BackgroundWork(Protocol):
-    """Work done in the stepping thread between engine steps, in slices (the online trainer)."""
-
-    def has_work(self) -> bool: ...
-
-    def run_slice(self) -> float: ...  # returns the seconds it took
-
-
-MAX_CREDIT_S = 1.0  # training credit saved up while serving is busy: at most this much in a burst
 IDLE_POLL_S = 1.0  # with background work pending on a timer (a batch's max wait), look again this often
 
 
@@ -105,15 +85,10 @@ class AsyncEngine:
         engine: LLMEngine,
         on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
         own_step_thread: bool = True,
-        background: BackgroundWork | None = None,
-        background_share: float = 0.2,
-        background_quantum_s: float = 0.0,
+        time_share: TimeShare | None = None,
     ):
         self.engine = engine
-        self.background = background
-        self.background_share = background_share
-        self.background_quantum_s = background_quantum_s
-        self._credit_s = 0.0
+        self.time_share = time_share  # training's slices between steps (None: serving only)
         self.on_outputs = on_outputs  # called in the stepping thread after each step (metrics)
         # False: the caller runs run_steps() in a thread of its choosing (the main thread; see the module note).
         self.own_step_thread = own_step_thread
@@ -198,11 +173,12 @@ class AsyncEngine:
             with self._cond:
                 # The check and the wait hold the lock that _wake() takes, so a wake-up cannot slip in between.
                 while not self._stopped and not self.engine.has_unfinished() and not self._background_ready():
-                    self._cond.wait(timeout=IDLE_POLL_S if self.background is not None else None)
+                    self._cond.wait(timeout=IDLE_POLL_S if self.time_share is not None else None)
                 if self._stopped:
                     return
-            if not self.engine.has_unfinished():  # serving idle: the background takes the machine, slice by slice
-                self._run_background()
+            if not self.engine.has_unfinished():  # serving idle: training takes the machine, slice by slice
+                assert self.time_share is not None
+                self.time_share.run_slice()
                 continue
             t0 = time.perf_counter()
             try:
@@ -216,37 +192,11 @@ class AsyncEngine:
                 self.on_outputs(outputs)
             if outputs:
                 self._call_soon(self._dispatch, outputs)
-            if self.background is not None:
-                share = self.background_share
-                earned_s = (time.perf_counter() - t0) * share / (1.0 - share)
-                self._credit_s = min(MAX_CREDIT_S, self._credit_s + earned_s)
-                due = self._credit_s > 0 and self._credit_s >= self.background_quantum_s
-                # A request that arrived during the step goes first, unless training's credit is full: under a
-                # closed-loop load something arrives during nearly every step, and training never ran (bench soak).
-                if due and (not self.engine.has_arrivals() or self._credit_s >= MAX_CREDIT_S):
-                    self._run_turn()
-
-    def _run_turn(self) -> None:
-        """Training's turn while serving is busy: slices back to back until the credit is spent or the turn has
-        lasted ``quantum_s`` (credit saved up while training had no work is spent a turn at a time), training has
-        no work, or a request arrives (serving has priority: it ends the turn)."""
-        turn_s = 0.0
-        while self._credit_s > 0 and self._background_ready():
-            took_s = self._run_background()
-            self._credit_s -= took_s
-            turn_s += took_s
-            if turn_s >= self.background_quantum_s or self.engine.has_arrivals():
-                return
+            if self.time_share is not None:
+                self.time_share.after_step(time.perf_counter() - t0)
 
     def _background_ready(self) -> bool:
-        return self.background is not None and self.background.has_work()
-
-    def _run_background(self) -> float:
-        try:
-            return self.background.run_slice()
-        except Exception:  # the worker handles its own failures; this only keeps serving alive
-            logger.exception("background work failed")
-            return 0.0
+        return self.time_share is not None and self.time_share.ready()
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

@@ -64,7 +64,7 @@ class _EngineStatsCollector(Collector):
 
 
 class _TrainingCollector(Collector):
-    """The online trainer's numbers (``alchemist.training.online.OnlineStats``), read at scrape time."""
+    """The online trainer's numbers (``alchemist.training.stats.TrainingStats``), read at scrape time."""
 
     def __init__(self, trainer) -> None:  # an OnlineTrainer
         self.trainer = trainer
@@ -96,20 +96,19 @@ class _TrainingCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "training_anchor_tokens", "Anchor response tokens trained (once per epoch).", value=s.anchor_tokens
         )
-        replays = self.trainer.trainer.stats  # the replay path's own counters
         layers = CounterMetricFamily(
             PREFIX + "training_record_layers",
             "Prompt layers of replayed records, by source: reloaded from the activation store or recomputed from "
             "their recorded input (the reload-or-recompute plan).",
             labels=["source"],
         )
-        layers.add_metric(["reload"], replays.layers_reloaded)
-        layers.add_metric(["recompute"], replays.layers_recomputed)
+        layers.add_metric(["reload"], s.layers_reloaded)
+        layers.add_metric(["recompute"], s.layers_recomputed)
         yield layers
         yield CounterMetricFamily(
             PREFIX + "training_records_unreadable",
             "Replays abandoned because their record was corrupt or gone mid-read (recomputed instead).",
-            value=replays.unreadable,
+            value=s.unreadable,
         )
         gauges = (
             ("training_replay_hit_rate", "Share of sample passes replayed from a record.", s.replayed / max(passes, 1)),

@@ -110,7 +110,7 @@ def adapters(request: Request, caller: Caller = Depends(user)) -> AdapterList:
 
 @router.post("/v1/adapters/rollback", responses=errors(400, 401, 403, 404, 413))
 def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(admin)) -> AdapterInfo:
-    # A plain def: it waits for the batch in training to be checkpointed and writes one, off the event loop.
+    # A plain def: it waits, off the event loop, for the stepping thread to roll back (after the batch in training).
     return request.app.state.adapters.rollback(body)
 
 

@@ -4,7 +4,7 @@
                                           "t": [unix s, ...], "series": {"training_loss": [...], ...}}
 
 Nothing is counted here: each sample reads what /metrics reads (``LLMEngine.stats()``, the online trainer's
-``OnlineStats``, the feedback log's queued entries) and ``ServerMetrics.recent``, the latencies its ``observe`` keeps.
+``TrainingStats``, the feedback log's queued entries) and ``ServerMetrics.recent``, the latencies its ``observe`` keeps.
 Counters become rates (per second, between two samples); ratios are the trainer's totals so far, as /metrics shows
 them. A value that does not exist yet (no training step, no request finished in the window) is ``null``. The sampler
 is a thread of its own: it does no torch work, and the log's read must not stall the event loop.

@@ -1,7 +1,7 @@
 """The online trainer: the feedback log becomes LoRA updates that the engine serves minutes later.
 
-    trainer = OnlineTrainer(engine, feedback_log, AdapterCheckpoints(dir, keep), OnlineConfig())
-    while serving:                       # the server's step loop (alchemist.server.async_engine)
+    trainer = OnlineTrainer(model, tokenizer, engine, store, log, AdapterCheckpoints(dir, keep), OnlineConfig())
+    while serving:                       # the stepping thread (alchemist.server.async_engine, time_share)
         engine.step()
         if trainer.has_work(): trainer.run_slice()
 
@@ -10,7 +10,8 @@ The story of one mini-batch: the next queued entries of the log, corrections fir
 ``FeedbackBatch``: corrections by SFT, ratings by KTO, preference pairs by DPO, against the base model's
 log-probabilities, computed once (``alchemist.training.objectives``) -> ``epochs`` optimizer steps, each sample
 replayed from its record where the record is fresh enough, recomputed otherwise -> publish the new adapter version
-to the engine -> checkpoint it (adapter, optimizer state, the log position up to which everything is settled, its
+(to an ``AdapterPublisher``: the engine, which training knows only by that Protocol, ``alchemist.training.seams``)
+-> checkpoint it (adapter, optimizer state, the log position up to which everything is settled, its
 metrics and the seqs it trained) atomically -> mark the entries trained in the log. Before the first update, the
 poisoning guard (``alchemist.training.quarantine``) looks at each sample's loss: an entry whose loss is NaN/inf or
 a spike is quarantined (a state in the log), the gradients are dropped, and the rest of the batch, still queued,
@@ -32,8 +33,9 @@ requests are in flight (the step loop's accounting); with none in flight, traini
 
 Rollback serves an earlier version again, as a new version (numbers only grow, so records' staleness stays
 meaningful): the adapter and optimizer state of the earlier version become the trainer's, the log position stays
-(feedback trained since is not trained again). It waits for the batch in training to be published and checkpointed
-first, and no new batch starts meanwhile, so a rollback never throws training away.
+(feedback trained since is not trained again). Any thread asks for one (``rollback`` returns a future); the thread
+that runs the slices does it, like all of training's torch work, once the batch in training is published and
+checkpointed, and no new batch starts meanwhile, so a rollback never throws training away.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ import math
 import threading
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
 from alchemist.config import OnlineConfig
-from alchemist.engine import LLMEngine
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
+from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.evaluation import EvaluationGate, GateBounds
@@ -57,46 +60,33 @@ from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.regression import RegressionBounds, find_regression
+from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.trainer import Sample, Trainer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class OnlineStats:
-    """What /metrics and /v1/adapters show about training."""
-
-    steps: int = 0
-    samples: int = 0  # sample passes (a sample counts once per epoch)
-    response_tokens: int = 0  # tokens trained on, summed over sample passes
-    replayed: int = 0
-    recomputed: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # entries the queue skipped, by why ("empty", "backlog")
-    last_loss: float | None = None
-    last_tokens_per_s: float = 0.0  # training tokens / training time, of the last batch
-    train_s: float = 0.0  # time spent in training slices
-    staleness_sum: int = 0  # adapter versions behind, summed over replayed records
-    anchor_samples: int = 0  # anchor passes (a served completion kept close to the base model), once per epoch
-    anchor_tokens: int = 0
-    anchor_replayed: int = 0
-    last_anchor_kl: float | None = None  # mean KL(base || adapted) of the last step's anchors
-    quarantined: int = 0  # entries held by the poisoning guard (alchemist.training.quarantine)
-    unpromoted: int = 0  # versions the evaluation gate kept from serving
-    evaluation_s: float = 0.0  # time spent in the gate's slices (alchemist.training.evaluation)
-
-
 class OnlineTrainer:
     def __init__(
-        self, engine: LLMEngine, log: FeedbackLog, checkpoints: AdapterCheckpoints, config: OnlineConfig
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        publisher: AdapterPublisher,
+        store: RecordSource | None,
+        log: FeedbackLog,
+        checkpoints: AdapterCheckpoints,
+        config: OnlineConfig,
     ) -> None:
-        self.engine = engine
+        """Trains an adapter of ``model`` (the one serving, shared: never changed here) from ``log``, replays
+        records from ``store`` (None: none) and publishes the versions it makes to ``publisher``."""
+        self.model, self.tokenizer = model, tokenizer
+        self.publisher = publisher
         self.log = log
         self.checkpoints = checkpoints
         self.config = config
-        model = engine.model
         lora = LoraConfig(r=config.lora_r, alpha=config.lora_alpha)
         self.adapter = LoraAdapter(model.config, lora, device=model.device, seed=config.seed)
-        self.trainer = Trainer(model, self.adapter, engine.store, config.trainer)
+        self.trainer = Trainer(model, self.adapter, store, config.trainer)
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
@@ -104,7 +94,8 @@ class OnlineTrainer:
         )  # fmt: skip
         # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
         self.queue = FeedbackQueue(log, config, lambda e: self.anchors.exclude(e.response_id, e.prompt_token_ids))
-        self.stats = OnlineStats(skipped=self.queue.skipped)
+        self.stats = self.trainer.stats  # one set of counters: the trainer's passes, this loop's batches
+        self.stats.skipped = self.queue.skipped
         self.quarantine = Quarantine(log, on_release=self.queue.changed)
         self.guard = PoisoningGuard(config.loss_spike_factor, config.loss_spike_warmup)
         self.regression = RegressionBounds(config.rollback_min_ratings, config.rollback_margin, config.rollback_z)
@@ -114,17 +105,16 @@ class OnlineTrainer:
                                 config.gate_canary_max_mean_drop, config.gate_taught_max_rise,
                                 config.gate_taught_samples)  # fmt: skip
             try:
-                self.gate = EvaluationGate(model, engine.tokenizer, bounds, config.trainer.group_size)
+                self.gate = EvaluationGate(model, tokenizer, bounds, config.trainer.group_size)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
         self.protected: ProtectedSubspace | None = None  # computed before the first step (protect_energy > 0)
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
-        # A slice, a look for work and a rollback never interleave (reentrant: run_slice looks for work too).
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)  # notified when a batch's job ends (rollbacks wait for it)
-        self._rollbacks_waiting = 0  # while > 0, no new batch starts: a rollback goes at the next batch boundary
+        # Rollbacks asked for (any thread), done by run_slice at the next batch boundary; no batch starts meanwhile.
+        self._rollbacks: list[tuple[int, Future[int]]] = []
+        self._rollbacks_lock = threading.Lock()
         self.restore()
 
     # --- state ---------------------------------------------------------------------------------------------------
@@ -138,7 +128,7 @@ class OnlineTrainer:
         self.adapter.version = latest.version
         self.position = self.queue.seen = latest.log_position
         if served:
-            self.engine.set_adapter(self.adapter, served)
+            self.publisher.set_adapter(self.adapter, served)
         self._settle_checkpointed()
         logger.info("online trainer: resumed serving adapter version %d (newest %d), log position %d", served,
                     latest.version, self.position)  # fmt: skip
@@ -172,7 +162,7 @@ class OnlineTrainer:
         return serving.version
 
     def _load(self, version: int) -> None:
-        model = self.engine.model
+        model = self.model
         adapter, optimizer_state, _ = self.checkpoints.load(version, model.config, model.device)
         if adapter.config.r != self.adapter.config.r or adapter.config.alpha != self.adapter.config.alpha:
             raise ValueError(
@@ -189,36 +179,36 @@ class OnlineTrainer:
     # --- the step loop's interface -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
+        if self._job is not None or self._rollbacks:
+            return True
         if not self.config.enabled:
             return False
-        with self._lock:
-            if self._job is not None:
-                return True
-            head = self.queue.head()
-            if not head:
-                return False
-            waited_s = time.time() - min(entry.created_s for entry, _ in head)
-            return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
+        head = self.queue.head()
+        if not head:
+            return False
+        waited_s = time.time() - min(entry.created_s for entry, _ in head)
+        return len(head) >= self.config.batch_size or waited_s >= self.config.max_wait_s
 
     def run_slice(self) -> float:
-        """One slice of training work; returns the seconds it took."""
+        """One slice of training work, or a rollback asked for; returns the seconds it took. Call it from the
+        thread that steps the engine, between its steps."""
         t0 = time.perf_counter()
-        with self._lock:
-            if self._job is None:
-                if self._rollbacks_waiting or not self.has_work():
-                    return 0.0
-                self._watch()
-                self._job = self._train(self.queue.head())
-            try:
-                next(self._job)
-            except StopIteration:
-                self._job = None
-            except Exception:
-                # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
-                logger.exception("online training failed; its batch will be read again")
-                self._abandon()
-            if self._job is None:
-                self._idle.notify_all()
+        if self._job is None and self._rollbacks:
+            self._roll_back_next()
+            return time.perf_counter() - t0  # serving's time share counts it; training's seconds do not
+        if not self.has_work():
+            return 0.0
+        if self._job is None:
+            self._watch()
+            self._job = self._train(self.queue.head())
+        try:
+            next(self._job)
+        except StopIteration:
+            self._job = None
+        except Exception:
+            # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
+            logger.exception("online training failed; its batch will be read again")
+            self._abandon()
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed
@@ -246,11 +236,11 @@ class OnlineTrainer:
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
         feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.trainer.group_size)
         if feedback.kto or feedback.dpo:
-            yield from feedback.references_slices(self.engine.model)  # the base model's, once for all epochs
+            yield from feedback.references_slices(self.model)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
         if self.config.protect_energy and self.protected is None:
             self.protected = yield from ProtectedSubspace.load_or_compute_slices(
-                self.engine.model, self.engine.tokenizer, self.adapter, self.config.protect_energy
+                self.model, self.tokenizer, self.adapter, self.config.protect_energy
             )
             logger.info("protected directions: %s", self.protected.describe())
         if self.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
@@ -263,11 +253,11 @@ class OnlineTrainer:
                 self.gate.bounds.taught_samples)]  # fmt: skip
             taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         for epoch in range(self.config.epochs):
-            samples, scales = yield from feedback.samples_slices(self.engine.model, self.adapter)
+            samples, scales = yield from feedback.samples_slices(self.model, self.adapter)
             passes = samples + anchors
             if anchors:
                 scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
-            results = yield from self.trainer.backward_batch_slices(passes, scales, self._count)
+            results = yield from self.trainer.backward_batch_slices(passes, scales)
             if epoch == 0 and self._hold_suspects(batch, feedback, [loss for loss, _ in results[: len(samples)]]):
                 return  # no update: the rest of the batch, still queued, trains next without them
             losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
@@ -278,7 +268,6 @@ class OnlineTrainer:
             self.trainer.update()
             if self.protected is not None:
                 self.protected.project_(self.adapter)
-            self.stats.steps += 1
             yield
             if self._reached_target(samples, results):
                 break
@@ -292,7 +281,7 @@ class OnlineTrainer:
             evaluation.seconds = self.gate.seconds - gate_s  # its start-of-batch part too
             self.stats.evaluation_s = self.gate.seconds
         if evaluation is None or evaluation.promoted:
-            yield from self.engine.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
+            yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
             yield
         seqs = [entry.seq for entry, _ in batch]
         metrics = {
@@ -348,22 +337,6 @@ class OnlineTrainer:
         return bool(target) and all(loss < target for s, (loss, _) in zip(samples, results, strict=False)
                                     if s.term is None)  # fmt: skip
 
-    def _count(self, group: list[Sample], results: list[tuple[float, bool]]) -> None:
-        """A group of the batch's samples (and anchors) is trained: into the counters, at once (/metrics reads them
-        while the batch goes on)."""
-        used = self.trainer.stats.staleness_used  # this trainer's replayed records, by versions behind
-        self.stats.staleness_sum = sum(lag * count for lag, count in used.items())
-        for sample, (_, replayed) in zip(group, results, strict=True):
-            if sample.targets is not None:  # an anchor
-                self.stats.anchor_samples += 1
-                self.stats.anchor_tokens += len(sample.response_ids)
-                self.stats.anchor_replayed += replayed
-            else:
-                self.stats.samples += 1
-                self.stats.response_tokens += len(sample.response_ids)
-                self.stats.replayed += replayed
-                self.stats.recomputed += not replayed
-
     def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
         each with the base model's top-k distribution there (computed once per anchor, ``group_size`` anchors per
@@ -377,34 +350,46 @@ class OnlineTrainer:
         for start in range(0, len(new), c.trainer.group_size):
             group = new[start : start + c.trainer.group_size]
             pairs = [(a.prompt_ids, r) for a, r in group]
-            targets = yield from references_slices(self.engine.model, pairs, c.anchor_top_k)
+            targets = yield from references_slices(self.model, pairs, c.anchor_top_k)
             for (anchor, _), anchor_targets in zip(group, targets, strict=True):
                 anchor.targets = anchor_targets
             yield
         return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
 
-    # --- rollback (any thread) -----------------------------------------------------------------------------------
+    # --- rollback ----------------------------------------------------------------------------------------------
 
-    def rollback(self, version: int) -> int:
-        """Serve ``version`` again (0: the base model), as a new version; returns the new version's number.
+    def rollback(self, version: int) -> Future[int]:
+        """Asks to serve ``version`` again (0: the base model), as a new version; any thread. The future gives the
+        new version's number once ``run_slice`` has made it (KeyError: ``version`` is not kept); KeyError here
+        already if it is not kept now.
 
         A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
         its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
         work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
-        with self._idle:
-            if not self._kept(version):
-                raise KeyError(version)
-            self._rollbacks_waiting += 1
-            try:
-                self._idle.wait_for(lambda: self._job is None)  # the step loop runs the batch's slices meanwhile
-            finally:
-                self._rollbacks_waiting -= 1
-            if not self._kept(version):  # the batch's checkpoint pushed it out (keep_versions)
-                raise KeyError(version)
-            return self._serve_again(version, {"rollback_of": version})
+        if not self._kept(version):
+            raise KeyError(version)
+        done: Future[int] = Future()
+        with self._rollbacks_lock:
+            self._rollbacks.append((version, done))
+        return done
 
     def _kept(self, version: int) -> bool:
         return version == 0 or version in {v.version for v in self.checkpoints.versions()}
+
+    def _roll_back_next(self) -> None:
+        """The oldest rollback asked for, in the slices' thread, between batches."""
+        with self._rollbacks_lock:
+            version, done = self._rollbacks.pop(0)
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            if not self._kept(version):  # the last batch's checkpoint pushed it out (keep_versions)
+                raise KeyError(version)
+            self._serve_again(version, {"rollback_of": version})
+        except Exception as e:  # the asker learns it (a 404, a 500); training goes on
+            done.set_exception(e)
+        else:
+            done.set_result(self.version)
 
     def _serve_again(self, version: int, metrics: dict) -> int:
         """Between batches: ``version``'s weights (0: the base model's) become a new version that serves."""
@@ -414,8 +399,9 @@ class OnlineTrainer:
         else:
             self._load(version)
         self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
-        self.engine.set_adapter(self.adapter, self.version)
-        self.checkpoints.save(self.version, self.adapter, self.trainer.optimizer.state_dict(), self.position, metrics)
+        self.publisher.set_adapter(self.adapter, self.version)
+        state = self.trainer.optimizer.state_dict()
+        self.checkpoints.save(self.version, self.adapter, state, self.position, metrics)
         return self.version
 
     def _watch(self) -> None:

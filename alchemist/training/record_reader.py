@@ -15,11 +15,11 @@ import time
 import torch
 
 from alchemist.activations.record import RECORDED, Record, record_widths
-from alchemist.activations.store import ActivationStore
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import CostModel, Plan, plan, recompute_layer
 from alchemist.training.layer_window import LayerWindow
+from alchemist.training.seams import RecordSource
 
 FORWARD_NAMES = ("h", "qkv")  # what phase 1 reads: the prompt's keys and values are rebuilt from them
 
@@ -30,7 +30,7 @@ class RecordReader:
 
     def __init__(
         self,
-        store: ActivationStore,
+        store: RecordSource,
         record: Record,
         model: Llama,
         adapter: LoraAdapter,

@@ -12,15 +12,14 @@ while the current version <= v + max_staleness (0: exact replay only). Otherwise
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from alchemist.activations.record import Record
-from alchemist.activations.store import ActivationStore, RecordUnavailable
+from alchemist.activations.store import RecordUnavailable
 from alchemist.config import TrainerConfig
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
@@ -30,7 +29,9 @@ from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.recompute import recompute_losses
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.seams import RecordSource
 from alchemist.training.slices import run_to_end
+from alchemist.training.stats import TrainingStats
 
 T = TypeVar("T")
 
@@ -58,23 +59,6 @@ class Sample:
 
 
 @dataclass
-class TrainerStats:
-    steps: int = 0
-    samples: int = 0
-    response_tokens: int = 0
-    replayed: int = 0
-    recomputed: int = 0
-    stale: int = 0  # records found but too old for the current adapter (recomputed)
-    missing: int = 0  # no record, or one that does not cover the prompt (recomputed)
-    # replayed records by how many adapter versions they lagged behind: keys 0..max_staleness only, so it stays small
-    staleness_used: Counter[int] = field(default_factory=Counter)
-    unreadable: int = 0  # replays abandoned because the record went bad or away mid-read (then recomputed)
-    layers_reloaded: int = 0  # walk layers read back from the store
-    layers_recomputed: int = 0  # walk layers recomputed from their recorded input instead (hedging)
-    record_bytes_read: int = 0
-
-
-@dataclass
 class StepResult:
     loss: float
     num_samples: int
@@ -90,7 +74,7 @@ class Trainer:
         self,
         model: Llama,
         adapter: LoraAdapter,
-        store: ActivationStore | None = None,
+        store: RecordSource | None = None,
         config: TrainerConfig | None = None,
     ) -> None:
         self.model = model
@@ -99,7 +83,7 @@ class Trainer:
         self.config = config or TrainerConfig()
         c = self.config
         self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
-        self.stats = TrainerStats()
+        self.stats = TrainingStats()  # the OnlineTrainer counts its batches into the same
         self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
 
     def step(self, samples: list[Sample]) -> StepResult:
@@ -130,22 +114,15 @@ class Trainer:
         return results[0]
 
     def backward_batch_slices(
-        self,
-        samples: list[Sample],
-        loss_scales: list[float],
-        on_group: Callable[[list[Sample], list[tuple[float, bool]]], None] | None = None,
+        self, samples: list[Sample], loss_scales: list[float]
     ) -> Generator[None, None, list[tuple[float, bool]]]:
         """Accumulates the samples' scaled gradients, a group at a time (``groups``, ``group_backward_slices``),
-        in slices (each group's, and a pause between groups); returns (loss, replayed) of each. ``on_group`` is
-        told each group's samples and results as soon as the group is done."""
+        in slices (each group's, and a pause between groups); returns (loss, replayed) of each."""
         results: list[tuple[float, bool]] = []
         for group in self.groups(samples):
             if group.start:
                 yield
-            group_results = yield from self.group_backward_slices(samples[group], loss_scales[group])
-            if on_group is not None:
-                on_group(samples[group], group_results)
-            results += group_results
+            results += yield from self.group_backward_slices(samples[group], loss_scales[group])
         return results
 
     def groups(self, samples: list[Sample]) -> list[slice]:
@@ -174,8 +151,6 @@ class Trainer:
         device = self.model.device
         ids = [(torch.tensor(s.prompt_ids, device=device), torch.tensor(s.response_ids, device=device))
                for s in samples]  # fmt: skip
-        self.stats.samples += len(samples)
-        self.stats.response_tokens += sum(len(s.response_ids) for s in samples)
         results: list[tuple[float, bool] | None] = [None] * len(samples)
         records = {i: record for i, s in enumerate(samples) if (record := self.usable_record(s)) is not None}
         for i, s in enumerate(samples[:-1]):  # a DPO pair is replayed together or recomputed together
@@ -187,7 +162,6 @@ class Trainer:
                 results[i] = loss, True
         recompute = [i for i, result in enumerate(results) if result is None]
         if recompute:
-            self.stats.recomputed += len(recompute)
             group = [(*ids[i], samples[i].targets) for i in recompute]
             values = recompute_losses(self.model, self.adapter, group, [samples[i].term is not None for i in recompute])
             linear = [(v, i) for v, i in zip(values, recompute, strict=True) if samples[i].term is None]
@@ -202,6 +176,9 @@ class Trainer:
                 for (_, i), loss in zip(preferred, own, strict=True):
                     results[i] = loss, False
             total.backward()  # type: ignore[union-attr]
+        for sample, (_, replayed) in zip(samples, results, strict=True):  # type: ignore[misc]
+            # counted as soon as the group is done: /metrics reads the counters while a batch goes on
+            self.stats.count_pass(len(sample.response_ids), replayed, anchor=sample.targets is not None)
         return results  # type: ignore[return-value]
 
     def _replay_group(
@@ -243,7 +220,6 @@ class Trainer:
                 reader.close()
             for record in records.values():
                 self.store.release(record.record_id)
-        self.stats.replayed += len(records)
         self.stats.staleness_used.update(self.adapter.version - records[i].adapter_version for i in records)
         return dict(zip(records, losses, strict=True))
 

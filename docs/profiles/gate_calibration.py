@@ -48,7 +48,7 @@ def main() -> None:
         work = Path(tempfile.mkdtemp())
         log = FeedbackLog(work / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(work / "adapters", 8)
-        trainer = OnlineTrainer(engine, log, checkpoints, config)
+        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints, config)
         counter = iter(range(10**9))
 
         def ask(

@@ -50,7 +50,8 @@ def main() -> None:
     engine = LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=32, compile_decode=False), RecordConfig())
     work = Path(tempfile.mkdtemp())
     log = FeedbackLog(work / "feedback.sqlite")
-    trainer = OnlineTrainer(engine, log, AdapterCheckpoints(work / "adapters", 8), config)
+    trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log,
+                            AdapterCheckpoints(work / "adapters", 8), config)
 
     held = {s.messages[0]["content"] for s in held_out_replies(tok)}
     pool = [s.messages[0]["content"] for s in sample_requests(80, seed=23, mode="first_turn", tokenizer=tok,

@@ -59,7 +59,8 @@ def main() -> None:
     engine = LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=32, compile_decode=False), RecordConfig())
     work = Path(tempfile.mkdtemp())
     log = FeedbackLog(work / "feedback.sqlite")
-    trainer = OnlineTrainer(engine, log, AdapterCheckpoints(work / "adapters", 8), config)
+    trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log,
+                            AdapterCheckpoints(work / "adapters", 8), config)
 
     held_out, training = prompts(tok, args.held_out, args.rounds * args.prompts)
     counter = iter(range(10**9))

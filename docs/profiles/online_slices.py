@@ -59,7 +59,8 @@ config = OnlineConfig(
     max_wait_s=0.0,
     trainer=TrainerConfig(replay=mode == "replay", group_size=group_size, group_max_tokens=group_max_tokens),
 )
-trainer = OnlineTrainer(engine, log, AdapterCheckpoints(data / "adapters", config.keep_versions), config)
+trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log,
+                        AdapterCheckpoints(data / "adapters", config.keep_versions), config)
 for i, fb in enumerate(work.feedback):
     prompt_ids, output_ids = served[f"r{i}"]
     if fb is None:

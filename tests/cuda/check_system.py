@@ -36,13 +36,12 @@ from alchemist.model.attention import bottom_right_causal_mask
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer
 from alchemist.training.slices import run_to_end as run_slices
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.engine.helpers import char_tokenizer, random_adapter, random_prompts, run_to_end
 from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
 from tests.training.recording import record_batched_chunked
-from tests.training.test_online import drain, serve_and_log
+from tests.training.test_online import beside, drain, serve_and_log
 from tests.training.test_replay import flat, lora_with_nonzero_b, max_rel_l2, recompute_grads, replay_grads
 
 CHECKS: list[Callable[[Context], str]] = []
@@ -315,7 +314,7 @@ def online_trainer_trains_publishes_resumes(ctx: Context) -> str:
         log = FeedbackLog(tmp / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(tmp / "adapters", keep=50)
         config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=2, trainer=TrainerConfig(lr=1e-2))
-        trainer = OnlineTrainer(engine, log, checkpoints, config)
+        trainer = beside(engine, log, checkpoints, config)
         seqs = serve_and_log(engine, log, 5)
         drain(trainer)
         versions = checkpoints.versions()
@@ -323,8 +322,7 @@ def online_trainer_trains_publishes_resumes(ctx: Context) -> str:
         assert engine.adapter_version == 6 and trainer.stats.replayed > 0
         assert next(trainer.adapter.parameters()).device.type == ctx.device.type
         # A restart resumes from the last checkpoint: its adapter, its position, nothing left to train.
-        resumed = OnlineTrainer(_engine(model, policy="all"), log, AdapterCheckpoints(tmp / "adapters", keep=50),
-                                config)  # fmt: skip
+        resumed = beside(_engine(model, policy="all"), log, AdapterCheckpoints(tmp / "adapters", keep=50), config)
         assert resumed.position == seqs[-1] and not resumed.has_work()
         for a, b in zip(resumed.adapter.parameters(), trainer.adapter.parameters(), strict=True):
             assert torch.equal(a, b)

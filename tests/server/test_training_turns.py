@@ -1,8 +1,8 @@
-"""Training beside serving takes its time in turns (``AsyncEngine``): while requests are in flight, training's credit
-is spent in runs of slices up to the quantum, not in a slice after every engine step; an arriving request ends a
-turn after the slice in progress, and one that arrived during a step is scheduled before any slice. The engine is
-the real one over the tiny model; the background work is the test's own (slices of known length) behind the protocol
-the online trainer implements."""
+"""Training beside serving takes its time in turns (``TimeShare``, run by ``AsyncEngine``'s stepping thread): while
+requests are in flight, training's credit is spent in runs of slices up to the quantum, not in a slice after every
+engine step; an arriving request ends a turn after the slice in progress, and one that arrived during a step is
+scheduled before any slice. The engine is the real one over the tiny model; the background work is the test's own
+(slices of known length) behind the protocol the online trainer implements."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.model.loader import build_model
-from alchemist.server import async_engine
+from alchemist.server import time_share
 from alchemist.server.async_engine import AsyncEngine
+from alchemist.server.time_share import TimeShare
 from tests.engine.helpers import char_tokenizer
 
 SLICE_S = 0.002
@@ -80,9 +81,8 @@ def serve(
     work = Slices(engine, add_at, add_at_step, add_every_step)
 
     async def one_request() -> None:
-        async_engine = AsyncEngine(
-            engine, on_outputs=work.on_step, background=work, background_share=0.5, background_quantum_s=quantum_s
-        )
+        share = TimeShare(work, engine.has_arrivals, share=0.5, quantum_s=quantum_s)
+        async_engine = AsyncEngine(engine, on_outputs=work.on_step, time_share=share)
         async_engine.start()
         try:
             params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -131,7 +131,7 @@ def test_a_request_that_arrived_during_a_step_is_scheduled_before_a_slice(tiny_d
 def test_arrivals_during_every_step_do_not_starve_training(tiny_dirs, monkeypatch):
     # A closed-loop load has a request arriving during nearly every step; once training's credit is full it takes
     # its turn anyway (a small cap here, so that the tiny model's millisecond steps fill it within the test).
-    monkeypatch.setattr(async_engine, "MAX_CREDIT_S", 0.01)
+    monkeypatch.setattr(time_share, "MAX_CREDIT_S", 0.01)
     kinds = [kind for kind, _ in serve(tiny_dirs, 0.0, add_every_step=True).events]
     assert kinds.count("step+add") >= 100
     assert kinds.count("slice") >= 3  # without the full-credit rule: none

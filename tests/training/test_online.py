@@ -65,7 +65,19 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "gate": False,
               "protect_energy": 0.0, "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
-    return OnlineTrainer(engine, log, checkpoints, config), log, checkpoints
+    return beside(engine, log, checkpoints, config), log, checkpoints
+
+
+def beside(engine: LLMEngine, log: FeedbackLog, checkpoints: AdapterCheckpoints, config: OnlineConfig) -> OnlineTrainer:
+    """The trainer as the app composes it: the engine's model, publishing to the engine, replaying from its store."""
+    return OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints, config)
+
+
+def roll_back(trainer: OnlineTrainer, version: int) -> int:
+    """A rollback asked for, then done by the slices (this thread steps)."""
+    done = trainer.rollback(version)
+    drain(trainer)
+    return done.result(timeout=0)
 
 
 def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
@@ -84,6 +96,9 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
     # adapter is at versions 0..4: the first batch at 0 and 1, the second at 2 and 3, the last at 4, then stale.
     assert (trainer.stats.replayed, trainer.stats.recomputed) == (9, 1)
     assert trainer.stats.staleness_sum == 2 * (0 + 1) + 2 * (2 + 3) + 4  # versions behind, over replayed records
+    # One set of counters, each counted once: the optimizer's steps, the sample passes (5 samples, 2 epochs).
+    assert (trainer.stats.steps, trainer.stats.samples, trainer.stats.stale) == (6, 10, 1)
+    assert trainer.stats is trainer.trainer.stats
     assert not trainer.has_work()
 
 
@@ -203,10 +218,10 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
         return next(iter(run_to_end(engine).values()))[-1].output_token_ids
 
     at_second = greedy()
-    new = trainer.rollback(first.version)
+    new = roll_back(trainer, first.version)
     assert new == second.version + 1 == engine.adapter_version
     at_first = greedy()
-    trainer.rollback(0)
+    roll_back(trainer, 0)
     at_base = greedy()
     engine.set_adapter(None, 0)
     assert greedy() == at_base  # the rolled-back-to-0 adapter serves the base model's outputs exactly
@@ -216,23 +231,56 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
         trainer.rollback(12345)
 
 
+def test_a_rollback_runs_in_the_thread_that_runs_the_slices(engine, tmp_path):
+    """Asked for from another thread (the HTTP server's pool), a rollback's torch work (loading, publishing,
+    checkpointing) runs where the slices run: the stepping thread (docs/architecture.md, the engine's note on OpenMP
+    threads)."""
+
+    class Publisher:  # the engine, noting the thread each publish comes from
+        def __init__(self) -> None:
+            self.threads: list[threading.Thread] = []
+
+        def set_adapter(self, adapter, version: int) -> None:
+            self.threads.append(threading.current_thread())
+            engine.set_adapter(adapter, version)
+
+        def set_adapter_slices(self, adapter, version: int):
+            self.threads.append(threading.current_thread())
+            yield from engine.set_adapter_slices(adapter, version)
+
+    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
+    publisher = Publisher()
+    config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=1, trainer=TrainerConfig(lr=1e-2), gate=False,
+                          protect_energy=0.0)  # fmt: skip
+    trainer = OnlineTrainer(engine.model, engine.tokenizer, publisher, engine.store, log, checkpoints, config)
+    serve_and_log(engine, log, 2)
+    drain(trainer)
+    assert publisher.threads == [threading.current_thread()]  # the batch's version
+    asked = []
+    asking = threading.Thread(target=lambda: asked.append(trainer.rollback(0)))
+    asking.start()
+    asking.join()
+    assert trainer.has_work() and not asked[0].done()  # nothing happens in the asking thread
+    trainer.run_slice()
+    assert asked[0].result(timeout=0) == checkpoints.versions()[-1].version == engine.adapter_version
+    assert publisher.threads == [threading.current_thread()] * 2
+
+
 def test_a_rollback_waits_for_the_batch_in_training_and_keeps_it(engine, tmp_path):
     trainer, log, checkpoints = online(engine, tmp_path)
     seqs = serve_and_log(engine, log, 4)
     while trainer._job is None:  # the first batch starts
         trainer.run_slice()
-    done = []
-    rolling_back = threading.Thread(target=lambda: done.append(trainer.rollback(0)))
-    rolling_back.start()
-    time.sleep(0.2)
-    assert not done, "the rollback waits for the batch in training"
-    while not done:  # the step loop goes on; the batch ends, is checkpointed, then the rollback goes
+    done = trainer.rollback(0)
+    while trainer._job is not None:  # the step loop goes on; the batch ends, is checkpointed, then the rollback goes
+        assert not done.done(), "the rollback waits for the batch in training"
         trainer.run_slice()
-        time.sleep(0.001)
-    rolling_back.join()
+    assert not done.done()
+    trainer.run_slice()
     first, rollback = checkpoints.versions()
     assert first.metrics["seqs"] == seqs[:2] and rollback.metrics == {"rollback_of": 0}
-    assert done == [rollback.version] and rollback.version == first.version + 1
+    assert done.result(timeout=0) == rollback.version and rollback.version == first.version + 1
     assert trainer.position == seqs[1] == rollback.log_position  # the batch counts as trained
     drain(trainer)
     assert [v.metrics.get("seqs") for v in checkpoints.versions()][-1] == seqs[2:4]  # training goes on from there
@@ -247,7 +295,7 @@ def test_rollbacks_faster_than_a_batch_do_not_stall_training(engine, tmp_path):
 
     def roll_back_again_and_again() -> None:
         while not stop.is_set():
-            trainer.rollback(0)
+            trainer.rollback(0).result()
             time.sleep(0.005)
 
     hammer = threading.Thread(target=roll_back_again_and_again)
@@ -256,6 +304,8 @@ def test_rollbacks_faster_than_a_batch_do_not_stall_training(engine, tmp_path):
         drain(trainer)
     finally:
         stop.set()
+        while hammer.is_alive():  # its last rollback is done by the slices too
+            trainer.run_slice()
         hammer.join()
     trained = [v.metrics["seqs"] for v in checkpoints.versions() if "seqs" in v.metrics]
     assert trained == [seqs[0:2], seqs[2:4], seqs[4:6]]
