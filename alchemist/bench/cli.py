@@ -204,7 +204,9 @@ def _soak(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=256, help="ShareGPT first turns, cycled through")
     p.add_argument("--sample-interval-s", type=float, default=5.0, help="how often RSS and the backlog are sampled")
-    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS after warm-up: the first sample past this")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS after warm-up: the first sample past this...")
+    p.add_argument("--warmup-version", type=int, default=0,
+                   help="... at which the trainer's adapter version (optimizer steps) has reached this")  # fmt: skip
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra `alchemist serve` argument (repeatable): --serve-arg=--train-lr=1e-3")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,9 @@ gives feedback on the answer: every ``--correct-every``-th answer a correction (
 
 Reported per run: requests and feedback sent, errors by status (non-2xx answers; ``429`` also counted on its own)
 and by exception for the rest, the server process's resident memory (VmRSS of /proc/PID/status) sampled every
-``--sample-interval-s``: after warm-up (the first sample past ``--warmup-s``), at the end, its peak and its slope
+``--sample-interval-s``: after warm-up (the first sample past ``--warmup-s`` at which the trainer's adapter version,
+its optimizer steps, has reached ``--warmup-version``: one-time work such as the first batches' is then done), at
+the end, its peak, its growth from warm-up to the end (``rss_growth_mb``, the soak test's measure) and its slope
 over the second half of the run, also less the activation store's memory tiers (on a CPU they are process memory,
 up to ``--record-budget-mb`` + ``--record-host-budget-mb``: cap them with ``--serve-arg`` to see the rest); the
 feedback backlog (``alchemist.bench.backlog``). Then the series themselves, one row per sample (``rss_of``,
@@ -63,6 +65,7 @@ def rss_mb(pid: int) -> dict[str, float]:
 
 
 TIER = "alchemist:activation_store_tier_bytes"
+VERSION = "alchemist:adapter_version"  # the trainer's: its optimizer steps (and rollbacks)
 
 
 class RssSampler:
@@ -92,13 +95,15 @@ class RssSampler:
             mem = rss_mb(self.pid)
             rss = mem["VmRSS"]
             try:
-                tiers = self.read_metrics()
-                store = (tiers[TIER + '{tier="device"}'] + tiers[TIER + '{tier="host"}']) / 2**20
+                metrics = self.read_metrics()
+                store = (metrics[TIER + '{tier="device"}'] + metrics[TIER + '{tier="host"}']) / 2**20
+                version = metrics.get(VERSION)
             except (httpx.HTTPError, KeyError):  # a missed store sample: the RSS one still counts
-                store = None
+                store = version = None
             self.samples.append({"t_s": t_s, "rss_mb": round(rss, 1), "anon_mb": _round(mem.get("RssAnon")),
                                  "file_mb": _round(mem.get("RssFile")), "store_mb": _round(store),
-                                 "rss_less_store_mb": _round(None if store is None else rss - store)})  # fmt: skip
+                                 "rss_less_store_mb": _round(None if store is None else rss - store),
+                                 "adapter_version": None if version is None else int(version)})  # fmt: skip
             self._stop.wait(self.interval_s)
 
 
@@ -106,11 +111,13 @@ def _round(mb: float | None) -> float | None:
     return None if mb is None else round(mb, 1)
 
 
-def rss_summary(samples: list[dict], warmup_s: float) -> dict:
-    """RSS after warm-up (the first sample past ``warmup_s``), at the end, its peak; the slope (MB/min) of a
-    least-squares line over the second half of the run, of RSS and of RSS less the store's bytes."""
-    after = [s for s in samples if s["t_s"] >= warmup_s] or samples
-    half = [s for s in after if s["t_s"] >= (after[0]["t_s"] + after[-1]["t_s"]) / 2]
+def rss_summary(samples: list[dict], warmup_s: float, warmup_version: int = 0) -> dict:
+    """RSS after warm-up (the first sample past ``warmup_s`` whose adapter version is at least ``warmup_version``;
+    None if the run never got there), at the end, its peak; its growth from warm-up to the end and to the peak, of
+    RSS and of RSS less the store's bytes; the slope (MB/min) of a least-squares line over the second half of the
+    run after warm-up."""
+    after = [s for s in samples if s["t_s"] >= warmup_s and (s.get("adapter_version") or 0) >= warmup_version]
+    half = [s for s in after if s["t_s"] >= (after[0]["t_s"] + after[-1]["t_s"]) / 2] if after else []
 
     def slope(key: str) -> float | None:
         points = [(s["t_s"] / 60, s[key]) for s in half if s[key] is not None]
@@ -118,11 +125,18 @@ def rss_summary(samples: list[dict], warmup_s: float) -> dict:
             return None
         return round(float(np.polyfit(*zip(*points, strict=True), 1)[0]), 1)
 
+    def growth(key: str) -> float | None:
+        values = [s[key] for s in after if s[key] is not None]
+        return round(max(values) - values[0], 1) if values else None
+
     return {
-        "rss_warm_mb": after[0]["rss_mb"],
+        "warm_s": after[0]["t_s"] if after else None,
+        "rss_warm_mb": after[0]["rss_mb"] if after else None,
         "rss_end_mb": samples[-1]["rss_mb"],
         "rss_max_mb": max(s["rss_mb"] for s in samples),
         "store_end_mb": samples[-1]["store_mb"],
+        "rss_growth_mb": growth("rss_mb"),  # the peak after warm-up less the warm value
+        "rss_less_store_growth_mb": growth("rss_less_store_mb"),
         "rss_slope_mb_min": slope("rss_mb"),
         "rss_less_store_slope_mb_min": slope("rss_less_store_mb"),
     }
@@ -260,7 +274,7 @@ def soak_run(args: argparse.Namespace, run: str, samples: list) -> tuple[dict, l
         "req_s": round(tally.requests / (args.minutes * 60), 2), "feedback": tally.feedback,
         "corrections": tally.corrections, "errors": sum(tally.errors.values()), "errors_429": tally.errors["429"],
         "errors_by": ",".join(f"{k}:{v}" for k, v in sorted(tally.errors.items())) or None,
-        **rss_summary(rss_samples, args.warmup_s),
+        **rss_summary(rss_samples, args.warmup_s, args.warmup_version),
         "backlog_max": max(queued, default=None), "backlog_end": queued[-1] if queued else None,
         "versions": len(gates), "evaluation_s": round(sum(g["evaluation_s"] for g in gates), 1),
         "evaluation_share": round(sum(g["evaluation_s"] for g in gates) / sum(g["train_s"] for g in gates), 3)
