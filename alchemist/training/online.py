@@ -61,6 +61,7 @@ from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.seams import AdapterPublisher, RecordSource
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer
 
 logger = logging.getLogger(__name__)
@@ -401,7 +402,7 @@ class OnlineTrainer:
         self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
         self.publisher.set_adapter(self.adapter, self.version)
         state = self.trainer.optimizer.state_dict()
-        self.checkpoints.save(self.version, self.adapter, state, self.position, metrics)
+        run_to_end(self.checkpoints.save_slices(self.version, self.adapter, state, self.position, metrics))
         return self.version
 
     def _watch(self) -> None:

@@ -31,7 +31,7 @@ from alchemist.bench.training import record_prefill
 from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.recompute import responses_hidden
+from alchemist.training.recompute import responses_hidden_slices
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -78,7 +78,7 @@ def forward(prompt_rows: bool) -> None:
     for start in range(0, len(samples), group_size):
         group = [(torch.tensor(s.prompt_ids if prompt_rows else s.prompt_ids[-1:]), torch.tensor(s.response_ids))
                  for s in samples[start : start + group_size]]  # fmt: skip
-        responses_hidden(model, adapter, group)
+        run_to_end(responses_hidden_slices(model, adapter, group))
 
 
 runs = {

@@ -11,7 +11,8 @@ from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
 from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_loss, recompute_losses
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone
@@ -46,8 +47,8 @@ def one_at_a_time(model, adapter, samples, replay: bool):
     losses = []
     for (prompt, response, record, targets), scale in zip(samples, SCALES, strict=True):
         if replay:
-            layers = record.layers.__getitem__
-            losses.append(replay_backward(model, adapter, layers, prompt, response, scale, targets))
+            sample = ReplaySample(prompt, response, record.layers.__getitem__, loss_scale=scale, targets=targets)
+            losses += run_to_end(replay_backward_slices(model, adapter, [sample]))
         else:
             loss = recompute_loss(model, adapter, prompt, response, targets)
             (loss * scale).backward()
