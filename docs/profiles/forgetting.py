@@ -74,9 +74,9 @@ def main() -> None:
     base = held_out_nll(model, tok, None)
     for round_ in range(1, args.rounds + 1):
         for sample in facts:
-            trainer.backward(sample, 1.0 / len(facts))
+            run_to_end(trainer.backward_slices([sample], [1.0 / len(facts)]))
         for sample in anchors:
-            trainer.backward(sample, args.anchor_weight / len(anchors))
+            run_to_end(trainer.backward_slices([sample], [args.anchor_weight / len(anchors)]))
         trainer.update()
         answers = [tok.decode(greedy(s.prompt_ids, adapter, 24)) for s in facts]
         recalled = sum(key in a.lower() for a, (_, _, key) in zip(answers, FACTS, strict=True))

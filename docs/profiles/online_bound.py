@@ -66,7 +66,7 @@ scales = [1.0 / len(samples)] * len(samples)
 
 def train(with_store: bool) -> None:
     trainer = Trainer(model, adapter, store if with_store else None, TrainerConfig(group_size=group_size))
-    results = run_to_end(trainer.backward_batch_slices(samples, scales))
+    results = run_to_end(trainer.backward_slices(samples, scales))
     assert all(replayed == with_store for _, replayed in results)
     adapter.zero_grad(set_to_none=True)
 

@@ -113,8 +113,8 @@ def test_trainer_groups_replay_and_recompute_samples(tiny_dirs):
     samples.append(Sample(samples[0].prompt_ids, samples[0].response_ids[:5]))  # no record id: recomputed
 
     grouped = Trainer(model, adapter, store, TrainerConfig(group_size=3))
-    result = grouped.step(samples)
-    reference = Trainer(model, twin, store, TrainerConfig(group_size=1)).step(samples)
+    result = run_to_end(grouped.step_slices(samples))
+    reference = run_to_end(Trainer(model, twin, store, TrainerConfig(group_size=1)).step_slices(samples))
 
     assert (result.replayed, result.recomputed) == (reference.replayed, reference.recomputed) == (3, 2)
     assert grouped.stats.samples == 5 and grouped.stats.missing == 1
