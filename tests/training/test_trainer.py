@@ -80,3 +80,20 @@ def test_training_lowers_the_sample_loss(setup):
         after = recompute_loss(model, adapter, prompt, response).item()
     assert trainer.stats.replayed == 5
     assert after < before - 0.5
+
+
+def test_a_step_refused_by_its_screen_drops_the_gradients_and_does_not_update(setup):
+    """The poisoning guard's veto: ``screen`` sees each sample's (loss, replayed) before the update; False leaves
+    the adapter, its version and the optimizer as they were."""
+    model, adapter, store, sample = setup
+    before = {name: p.detach().clone() for name, p in adapter.named_parameters()}
+    trainer = Trainer(model, adapter, store)
+    seen = []
+    step = run_to_end(trainer.step_slices([sample], screen=lambda passes: seen.append(passes) or False))
+    assert not step.updated and step.passes == seen[0] and seen[0][0][1]  # replayed, then refused
+    assert adapter.version == 0 and trainer.stats.steps == 0 and not trainer.optimizer.state
+    assert all(p.grad is None for p in adapter.parameters())
+    for name, p in adapter.named_parameters():
+        assert torch.equal(p, before[name]), name
+    accepted = run_to_end(trainer.step_slices([sample], screen=lambda passes: True))
+    assert accepted.updated and adapter.version == 1 and trainer.stats.steps == 1
