@@ -16,7 +16,8 @@ import torch
 
 from alchemist.bench.sharegpt import ChatSample, sample_requests
 from alchemist.training.losses import log_probs
-from alchemist.training.recompute import response_hidden
+from alchemist.training.recompute import responses_hidden_slices
+from alchemist.training.slices import run_to_end
 
 Fact = tuple[str, str, str]  # (question, correction, what a right answer contains, lower case)
 
@@ -98,6 +99,7 @@ def held_out_nll(model, tokenizer, adapter) -> torch.Tensor:
         for s in held_out_replies(tokenizer):
             prompt = torch.tensor(tokenizer.apply_chat_template(s.messages))
             reply = torch.tensor(tokenizer.encode_reply(s.reply))
-            logprobs = log_probs(model.logits(response_hidden(model, adapter, prompt, reply)))
+            (hidden,) = run_to_end(responses_hidden_slices(model, adapter, [(prompt, reply)]))
+            logprobs = log_probs(model.logits(hidden))
             nlls.append(-logprobs.gather(-1, reply[:, None])[:, 0])
     return torch.cat(nlls)

@@ -73,8 +73,7 @@ class MiniBatch:
             t0 = time.perf_counter()
             samples, scales = run_to_end(batch.samples_slices(self.model, self.adapter))
             self.kl_s.append(time.perf_counter() - t0)
-            results = run_to_end(self.trainer.backward_batch_slices(samples, scales))
-            self.trainer.update()
+            results = run_to_end(self.trainer.step_slices(samples, scales)).passes
             replayed, replay = sum(r for _, r in results), self.trainer.config.replay
             if replayed != (len(results) if replay else 0):  # the other path timed: no number at all rather
                 raise RuntimeError(f"{replayed} of {len(results)} samples replayed (replay={replay})")

@@ -29,6 +29,7 @@ from alchemist.activations.store import ActivationStore
 from alchemist.bench.training import record_prefill
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
 RECORD_ID = "bench-memory"
@@ -52,7 +53,7 @@ class TrainingStep:
         if self.tier is not None and (tier := store.tier_of(RECORD_ID)) != self.tier:
             raise RuntimeError(f"{self.name}: the record is in the {tier} tier, not {self.tier}")
         before = (stats.replayed, stats.recomputed)
-        self.trainer.backward(self.sample)
+        run_to_end(self.trainer.backward_slices([self.sample], [1.0]))
         self.trainer.optimizer.zero_grad(set_to_none=True)
         done = (stats.replayed - before[0], stats.recomputed - before[1])
         expected = (0, 1) if self.tier is None else (1, 0)

@@ -30,7 +30,8 @@ from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import replay_backward
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 
 DEFAULT_SHAPES = [(p, r) for p in (128, 512, 1024, 2048) for r in (32, 128, 512)]
 
@@ -106,7 +107,8 @@ def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dt
         opt.zero_grad(set_to_none=True)
 
     def step_replay():
-        replay_backward(model, adapter, lambda layer: record.layers[layer], prompt, response)
+        sample = ReplaySample(prompt, response, lambda layer: record.layers[layer])
+        run_to_end(replay_backward_slices(model, adapter, [sample]))
         opt.step()
         opt.zero_grad(set_to_none=True)
 

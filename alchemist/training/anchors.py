@@ -10,9 +10,9 @@ KL(base || adapted) on the response positions of recent **served** completions (
 that got feedback, nor one whose prompt got feedback), the base model being the served model with the adapter
 off (as PEFT's ``disable_adapter`` gives TRL its reference).
 
-- ``reference_targets``: the base model's top-k log-probabilities at each response position (``Targets``),
-  computed once per anchor (one forward of prompt + response without the adapter; ``references``: several
-  anchors' in one forward) and kept with it. The loss
+- ``references_slices``: the base model's top-k log-probabilities at each response position (``Targets``),
+  computed once per anchor (several anchors' in one forward of prompt + response without the adapter) and kept
+  with it. The loss
   (``alchemist.training.losses.kl_to_targets``) is the KL restricted to those k tokens, sum_j p_j (log p_j -
   log q_j): its gradient is the soft cross-entropy's. k = 32 keeps 0.96 of SmolLM2's next-token mass at the
   median position of held-out ShareGPT replies, 0.89 on average (``docs/profiles/top_k_mass.py``).
@@ -35,26 +35,16 @@ import torch
 from alchemist.model.llama import Llama
 from alchemist.training.losses import Targets, log_probs
 from alchemist.training.recompute import responses_hidden_slices
-from alchemist.training.slices import run_to_end
-
-
-def reference_targets(model: Llama, prompt_ids: list[int], response_ids: list[int], top_k: int) -> Targets:
-    """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2."""
-    return references(model, [(prompt_ids, response_ids)], top_k)[0]
-
-
-def references(model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int) -> list[Targets]:
-    """``reference_targets`` of several (prompt ids, response ids), from one forward over all of them."""
-    return run_to_end(references_slices(model, samples, top_k))
 
 
 @torch.no_grad()
 def references_slices(
     model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int
 ) -> Generator[None, None, list[Targets]]:
-    """``references`` in slices: each layer of the forward, then each anchor's top-k over the vocabulary. The
-    online trainer runs it between serving steps, and the whole forward of a group of four long anchors was a
-    wait of seconds for serving (docs/benchmarks.md, "Why the defaults", slices)."""
+    """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2 of each
+    (prompt ids, response ids), from one forward over all of them, in slices: each layer of the forward, then
+    each anchor's top-k over the vocabulary (the whole forward of a group of four long anchors was a wait of
+    seconds for serving: docs/benchmarks.md, "Why the defaults", slices)."""
     pairs = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device)) for p, r in samples]
     targets = []
     for hidden in (yield from responses_hidden_slices(model, None, pairs)):

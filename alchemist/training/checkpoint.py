@@ -1,7 +1,7 @@
 """Durable versions of the online trainer's adapter: each one complete on disk or absent, never torn.
 
     checkpoints = AdapterCheckpoints(Path("data/adapters"), keep=5)
-    checkpoints.save(adapter.version, adapter, optimizer.state_dict(), log_position=1234, metrics={"loss": 0.7})
+    run_to_end(checkpoints.save_slices(adapter.version, adapter, optimizer.state_dict(), 1234, {"loss": 0.7}))
     info = checkpoints.latest()                                    # VersionInfo | None
     adapter, optimizer_state, log_position = checkpoints.load(info.version, model.config)
 
@@ -12,7 +12,7 @@ Layout of ``directory``::
     v000012/checkpoint.json   {"version", "log_position", "metrics", "created_s"}
     LATEST                the committed version's directory name ("v000012")
 
-Note: [commit protocol] ``save`` writes everything into a temporary directory and fsyncs each file and the
+Note: [commit protocol] ``save_slices`` writes everything into a temporary directory and fsyncs each file and the
 directory, renames it to ``vNNNNNN`` and fsyncs ``directory``, then replaces ``LATEST`` (a temporary file,
 fsynced, ``os.replace``d, ``directory`` fsynced again). Replacing ``LATEST`` is the commit: a crash at any earlier
 point leaves the previous version as the latest. A version directory newer than ``LATEST`` (a crash between the
@@ -41,7 +41,6 @@ import torch
 from alchemist.model.config import ModelConfig
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.peft_format import VERSION_FILE, fsync_path, load_adapter, save_adapter, write_json
-from alchemist.training.slices import run_to_end
 
 LATEST = "LATEST"
 ADAPTER_DIR = "adapter"
@@ -130,17 +129,6 @@ class AdapterCheckpoints:
 
     # --- writing --------------------------------------------------------------------------------------------------
 
-    def save(
-        self,
-        version: int,
-        adapter: LoraAdapter,
-        optimizer_state: dict[str, Any],
-        log_position: int,
-        metrics: dict[str, Any] | None = None,
-    ) -> VersionInfo:
-        """Writes ``version`` durably and makes it the latest, then prunes old versions."""
-        return run_to_end(self.save_slices(version, adapter, optimizer_state, log_position, metrics))
-
     def save_slices(
         self,
         version: int,
@@ -149,10 +137,10 @@ class AdapterCheckpoints:
         log_position: int,
         metrics: dict[str, Any] | None = None,
     ) -> Generator[None, None, VersionInfo]:
-        """``save`` in slices: the adapter's files, the optimizer state's, the commit (a whole save's writes and fsyncs
-        were a long wait for serving: docs/benchmarks.md, "Why the defaults", slices). The caller must not change
-        ``adapter`` or ``optimizer_state`` until it ends; closed before the commit, it leaves the previous version the
-        latest."""
+        """Writes ``version`` durably and makes it the latest, then prunes old versions; returns its info. In slices:
+        the adapter's files, the optimizer state's, the commit (a whole save's writes and fsyncs were a long wait for
+        serving: docs/benchmarks.md, "Why the defaults", slices). The caller must not change ``adapter`` or
+        ``optimizer_state`` until it ends; closed before the commit, it leaves the previous version the latest."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (got {version!r})")
         latest = self._latest_version()

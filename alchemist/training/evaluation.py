@@ -117,7 +117,7 @@ class EvaluationGate:
 
     def taught_slices(self, adapter: Adapter | None, facts: list[Pair]) -> Generator[None, None, list[float]]:
         """The mean NLL per token of each fact under ``adapter``."""
-        logps = yield from self._timed(sequence_logps_slices(self.model, adapter, facts, self.group_size))
+        logps = yield from self._timed_slices(sequence_logps_slices(self.model, adapter, facts, self.group_size))
         return [-logp / len(response) for logp, (_, response) in zip(logps, facts, strict=True)]
 
     def evaluate_slices(
@@ -125,8 +125,8 @@ class EvaluationGate:
     ) -> Generator[None, None, Evaluation]:
         """The candidate ``adapter`` against the bounds; ``taught_before``: ``taught_slices`` of the serving state."""
         t0 = self.seconds
-        base_nll, base_canaries = yield from self._base_values()
-        nll, canaries = yield from self._values(adapter)
+        base_nll, base_canaries = yield from self._base_values_slices()
+        nll, canaries = yield from self._values_slices(adapter)
         taught = yield from self.taught_slices(adapter, facts)
         rise = _exp(nll - base_nll) - 1.0
         drops = {q: before - after
@@ -150,19 +150,19 @@ class EvaluationGate:
         reason = "; ".join(reasons) or None
         return Evaluation(reason is None, reason, rise, drops, rises, self.seconds - t0)
 
-    def _base_values(self) -> Generator[None, None, tuple[float, list[float]]]:
+    def _base_values_slices(self) -> Generator[None, None, tuple[float, list[float]]]:
         if self._base is None:
-            self._base = yield from self._values(None)
+            self._base = yield from self._values_slices(None)
         return self._base
 
-    def _values(self, adapter: Adapter | None) -> Generator[None, None, tuple[float, list[float]]]:
+    def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, tuple[float, list[float]]]:
         pairs = self.heldout + [pair for _, pair in self.canaries]
-        logps = yield from self._timed(sequence_logps_slices(self.model, adapter, pairs, self.group_size))
+        logps = yield from self._timed_slices(sequence_logps_slices(self.model, adapter, pairs, self.group_size))
         heldout_tokens = sum(len(response) for _, response in self.heldout)
         nll = -sum(logps[: len(self.heldout)]) / heldout_tokens
         return nll, logps[len(self.heldout) :]
 
-    def _timed(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
+    def _timed_slices(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
         """``slices``, its own time (not the serving steps between its slices) added to ``seconds``."""
         while True:
             t0 = time.perf_counter()

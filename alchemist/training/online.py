@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Generator
 from concurrent.futures import Future
+from functools import partial
 
 from alchemist.config import OnlineConfig
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
@@ -54,14 +55,15 @@ from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.anchors import AnchorPool, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.evaluation import EvaluationGate, GateBounds
+from alchemist.training.evaluation import Evaluation, EvaluationGate, GateBounds, Pair
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.seams import AdapterPublisher, RecordSource
-from alchemist.training.trainer import Sample, Trainer
+from alchemist.training.slices import run_to_end
+from alchemist.training.trainer import Sample, StepResult, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class OnlineTrainer:
                 self.gate = EvaluationGate(model, tokenizer, bounds, config.trainer.group_size)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
-        self.protected: ProtectedSubspace | None = None  # computed before the first step (protect_energy > 0)
+        self._gate_s = 0.0  # the gate's seconds when the batch in progress began
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
@@ -176,6 +178,11 @@ class OnlineTrainer:
     def version(self) -> int:
         return self.adapter.version
 
+    @property
+    def protected(self) -> ProtectedSubspace | None:
+        """The directions every update keeps out of the adapter (computed before the first step; protect_energy)."""
+        return self.trainer.protected
+
     # --- the step loop's interface -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
@@ -200,7 +207,7 @@ class OnlineTrainer:
             return 0.0
         if self._job is None:
             self._watch()
-            self._job = self._train(self.queue.head())
+            self._job = self._train_slices(self.queue.head())
         try:
             next(self._job)
         except StopIteration:
@@ -232,71 +239,97 @@ class OnlineTrainer:
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
-    def _train(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
+    def _train_slices(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
+        """One mini-batch, in slices: the story of this module's docstring."""
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
         feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.trainer.group_size)
+        anchors = yield from self._prepare_slices(feedback)
+        self._job_s = 0.0
+        facts, taught_before = yield from self._taught_slices()
+        anchor_scales = [self.config.anchor_weight / len(anchors)] * len(anchors) if anchors else []
+        steps: list[tuple[list[Sample], StepResult]] = []
+        for epoch in range(self.config.epochs):
+            samples, scales = yield from feedback.samples_slices(self.model, self.adapter)  # z0 under this adapter
+            screen = partial(self._screen, batch, feedback, len(samples)) if epoch == 0 else None
+            # each sample's record or a recompute -> loss -> backward -> update
+            step = yield from self.trainer.step_slices(samples + anchors, scales + anchor_scales, screen)
+            if not step.updated:
+                return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
+            steps.append((samples, step))
+            if self._reached_target(samples, step.passes):
+                break
+        metrics = self._batch_metrics(feedback, anchors, steps)
+        evaluation = yield from self._evaluate_slices(facts, taught_before)
+        if evaluation is None or evaluation.promoted:
+            yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
+            yield
+        yield from self._commit_slices(batch, metrics, evaluation)
+
+    def _prepare_slices(self, feedback: FeedbackBatch) -> Generator[None, None, list[Sample]]:
+        """What every step of the batch uses, computed once: the base model's log-probabilities of the preference
+        responses, the anchors with their targets, the protected directions; returns the anchors."""
         if feedback.kto or feedback.dpo:
             yield from feedback.references_slices(self.model)  # the base model's, once for all epochs
-        anchors = yield from self._anchor_samples()
-        if self.config.protect_energy and self.protected is None:
-            self.protected = yield from ProtectedSubspace.load_or_compute_slices(
+        anchors = yield from self._anchors_slices()
+        if self.config.protect_energy and self.trainer.protected is None:
+            self.trainer.protected = yield from ProtectedSubspace.load_or_compute_slices(
                 self.model, self.tokenizer, self.adapter, self.config.protect_energy
             )
-            logger.info("protected directions: %s", self.protected.describe())
-        if self.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
-            self.protected.project_(self.adapter)
-        losses, kls, tokens, by_objective = [], [], 0, {}
-        self._job_s = 0.0
-        facts, taught_before, gate_s = [], [], self.gate.seconds if self.gate is not None else 0.0
-        if self.gate is not None:  # the facts taught earlier, on the serving state (this batch's start)
-            facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
-                self.gate.bounds.taught_samples)]  # fmt: skip
-            taught_before = yield from self.gate.taught_slices(self.adapter, facts)
-        for epoch in range(self.config.epochs):
-            samples, scales = yield from feedback.samples_slices(self.model, self.adapter)
-            passes = samples + anchors
-            if anchors:
-                scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
-            results = yield from self.trainer.backward_batch_slices(passes, scales)
-            if epoch == 0 and self._hold_suspects(batch, feedback, [loss for loss, _ in results[: len(samples)]]):
-                return  # no update: the rest of the batch, still queued, trains next without them
-            losses.append(sum(loss for loss, _ in results[: len(samples)]) / len(samples))
-            by_objective = _mean_by_objective(samples, results)
-            kls.append(sum(loss for loss, _ in results[len(samples) :]) / max(len(anchors), 1))
-            tokens += sum(len(s.response_ids) for s in samples)
-            yield
-            self.trainer.update()
-            if self.protected is not None:
-                self.protected.project_(self.adapter)
-            yield
-            if self._reached_target(samples, results):
-                break
+            logger.info("protected directions: %s", self.trainer.protected.describe())
+        if self.trainer.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
+            self.trainer.protected.project_(self.adapter)
+        return anchors
+
+    def _taught_slices(self) -> Generator[None, None, tuple[list[Pair], list[float]]]:
+        """The evaluation gate's facts taught earlier and their losses on the serving state (this batch's start)."""
+        if self.gate is None:
+            return [], []
+        self._gate_s = self.gate.seconds
+        facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
+            self.gate.bounds.taught_samples)]  # fmt: skip
+        taught_before = yield from self.gate.taught_slices(self.adapter, facts)
+        return facts, taught_before
+
+    def _evaluate_slices(
+        self, facts: list[Pair], taught_before: list[float]
+    ) -> Generator[None, None, Evaluation | None]:
+        """The evaluation gate's verdict on the trained adapter (None: no gate)."""
+        if self.gate is None:
+            return None
+        evaluation = yield from self.gate.evaluate_slices(self.adapter, facts, taught_before)
+        evaluation.seconds = self.gate.seconds - self._gate_s  # its start-of-batch part too
+        self.stats.evaluation_s = self.gate.seconds
+        return evaluation
+
+    def _batch_metrics(
+        self, feedback: FeedbackBatch, anchors: list[Sample], steps: list[tuple[list[Sample], StepResult]]
+    ) -> dict:
+        """The batch's steps summed up for its checkpoint (and the last ones for /metrics)."""
+        losses = [sum(loss for loss, _ in step.passes[: len(samples)]) / len(samples) for samples, step in steps]
+        kls = [sum(loss for loss, _ in step.passes[len(samples) :]) / max(len(anchors), 1) for samples, step in steps]
+        tokens = sum(len(s.response_ids) for samples, _ in steps for s in samples)
         self.stats.last_loss = losses[-1]
         self.stats.last_anchor_kl = kls[-1] if anchors else None
         # The batch's own time: its slices (serving steps ran in between), all but this last short one.
         self.stats.last_tokens_per_s = tokens / self._job_s if self._job_s > 0 else 0.0
-        evaluation = None
-        if self.gate is not None:
-            evaluation = yield from self.gate.evaluate_slices(self.adapter, facts, taught_before)
-            evaluation.seconds = self.gate.seconds - gate_s  # its start-of-batch part too
-            self.stats.evaluation_s = self.gate.seconds
-        if evaluation is None or evaluation.promoted:
-            yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
-            yield
-        seqs = [entry.seq for entry, _ in batch]
-        metrics = {
+        return {
             "loss": losses[-1],
             "first_epoch_loss": losses[0],
-            "losses": by_objective,  # the last epoch's mean loss of each objective's samples
+            "losses": _mean_by_objective(steps[-1][0], steps[-1][1].passes),  # the last epoch's, per objective
             "samples": len(feedback),
             "objectives": {"sft": len(feedback.sft), "kto": len(feedback.kto), "dpo": len(feedback.dpo)},
             "epochs": len(losses),
             "response_tokens": tokens,
-            "seqs": seqs,
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
-            "train_s": self._job_s,  # the batch's slices, the evaluation's included
         }
+
+    def _commit_slices(
+        self, batch: list[tuple[FeedbackEntry, Item]], metrics: dict, evaluation: Evaluation | None
+    ) -> Generator[None, None, None]:
+        """Checkpoints the batch's version, then tells the log: its entries trained (promoted) or held (not)."""
+        seqs = [entry.seq for entry, _ in batch]
+        metrics = {**metrics, "seqs": seqs, "train_s": self._job_s}  # the batch's slices, the evaluation's included
         if evaluation is not None:
             metrics["evaluation"] = evaluation.as_dict()
         state = self.trainer.optimizer.state_dict()
@@ -310,25 +343,30 @@ class OnlineTrainer:
             self.stats.unpromoted += 1
             for entry, _ in batch:
                 reason = _unpromoted(self.version, evaluation.reason)
-                self.stats.quarantined += self.quarantine.hold(entry, reason, losses[-1])
+                self.stats.quarantined += self.quarantine.hold(entry, reason, metrics["loss"])
             self._load_serving()  # the trainer goes on from the serving version (its number stays: numbers grow)
         self.queue.changed()
 
-    def _hold_suspects(
-        self, batch: list[tuple[FeedbackEntry, Item]], feedback: FeedbackBatch, losses: list[float]
+    def _screen(
+        self,
+        batch: list[tuple[FeedbackEntry, Item]],
+        feedback: FeedbackBatch,
+        num_samples: int,
+        passes: list[tuple[float, bool]],
     ) -> bool:
-        """Quarantines the entries whose samples' losses the guard flags and drops the gradients; False if none."""
+        """The first step's veto: quarantines the entries whose samples' losses the guard flags; False if any (the
+        step then drops its gradients)."""
         entries = {entry.seq: entry for entry, _ in batch}
+        losses = [loss for loss, _ in passes[:num_samples]]
         samples = [(entries[it.seq], it, loss) for it, loss in zip(feedback.sample_items(), losses, strict=True)]
         suspects = self.guard.suspects(samples)
         if not suspects:
-            return False
-        self.trainer.optimizer.zero_grad(set_to_none=True)
+            return True
         for seq, (reason, loss) in suspects.items():
             logger.warning("feedback %d (response %s) quarantined: %s", seq, entries[seq].response_id, reason)
             self.stats.quarantined += self.quarantine.hold(entries[seq], reason, loss)
         self.queue.changed()
-        return True
+        return False
 
     def _reached_target(self, samples: list[Sample], results: list[tuple[float, bool]]) -> bool:
         """Whether the batch's steps may end here: every correction's loss in this step (before its update) was
@@ -337,7 +375,7 @@ class OnlineTrainer:
         return bool(target) and all(loss < target for s, (loss, _) in zip(samples, results, strict=False)
                                     if s.term is None)  # fmt: skip
 
-    def _anchor_samples(self) -> Generator[None, None, list[Sample]]:
+    def _anchors_slices(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
         each with the base model's top-k distribution there (computed once per anchor, ``group_size`` anchors per
         forward, a slice per layer)."""
@@ -401,7 +439,7 @@ class OnlineTrainer:
         self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
         self.publisher.set_adapter(self.adapter, self.version)
         state = self.trainer.optimizer.state_dict()
-        self.checkpoints.save(self.version, self.adapter, state, self.position, metrics)
+        run_to_end(self.checkpoints.save_slices(self.version, self.adapter, state, self.position, metrics))
         return self.version
 
     def _watch(self) -> None:

@@ -12,29 +12,15 @@ import torch
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.llama import Adapter, Llama
 from alchemist.training.losses import Targets, response_loss, sequence_logp
-
-
-def response_hidden(
-    model: Llama, adapter: Adapter | None, prompt_ids: torch.Tensor, response_ids: torch.Tensor
-) -> torch.Tensor:
-    """The whole forward of prompt + response (the last response token is never an input) -> the R hidden rows
-    that predict the response (positions P-1..P+R-2)."""
-    return responses_hidden(model, adapter, [(prompt_ids, response_ids)])[0]
-
-
-def responses_hidden(
-    model: Llama, adapter: Adapter | None, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> list[torch.Tensor]:
-    """``response_hidden`` of several (prompt ids, response ids), from one forward over all of them laid end to
-    end, each attending to its own tokens."""
-    ids, positions, meta = _laid_end_to_end(samples)
-    return _response_rows(model(ids, positions, meta, adapter=adapter), samples)
+from alchemist.training.slices import run_to_end
 
 
 def responses_hidden_slices(
     model: Llama, adapter: Adapter | None, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> Generator[None, None, list[torch.Tensor]]:
-    """``responses_hidden`` in slices of one layer (yields after each)."""
+    """The whole forward of each (prompt ids, response ids), laid end to end and each attending to its own tokens
+    (the last response token is never an input) -> its R hidden rows that predict the response (positions
+    P-1..P+R-2); in slices of one layer (yields after each)."""
     ids, positions, meta = _laid_end_to_end(samples)
     layers = model.forward_layers(ids, positions, meta, adapter=adapter)
     for _ in range(model.config.num_layers):
@@ -69,9 +55,10 @@ def recompute_losses(
     logp: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """The losses of several samples (prompt ids, response ids, targets: ``alchemist.training.losses``), from one
-    forward over all of them (``responses_hidden``); where ``logp[i]``, sample i's sequence log-probability
-    instead (the value a preference objective takes)."""
-    hidden = responses_hidden(model, adapter, [(prompt, response) for prompt, response, _ in samples])
+    forward over all of them (``responses_hidden_slices``, run to its end: one slice); where ``logp[i]``, sample i's
+    sequence log-probability instead (the value a preference objective takes)."""
+    pairs = [(prompt, response) for prompt, response, _ in samples]
+    hidden = run_to_end(responses_hidden_slices(model, adapter, pairs))
     logp = logp or [False] * len(samples)
     return [sequence_logp(model, rows, response) if wants_logp else response_loss(model, rows, response, targets)
             for rows, (_, response, targets), wants_logp in zip(hidden, samples, logp, strict=True)]  # fmt: skip

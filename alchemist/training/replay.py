@@ -42,7 +42,6 @@ from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss, sequence_logp
 from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.packing import LiveLayer, Packing, PromptRecord
-from alchemist.training.slices import run_to_end
 
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
 
@@ -62,23 +61,6 @@ objective's sample (``alchemist.training.objectives``)."""
     loss_scale: float = 1.0
     targets: Targets | None = None
     term: PreferenceTerm | None = None  # a preference objective's sample (its loss_scale is unused)
-
-
-def replay_backward(
-    model: Llama,
-    adapter: LoraAdapter,
-    record_layers: RecordLayers,
-    prompt_ids: torch.Tensor,
-    response_ids: torch.Tensor,
-    loss_scale: float = 1.0,
-    targets: Targets | None = None,
-) -> float:
-    """Accumulates ``loss_scale * dloss/dadapter`` of one sample into the adapter's .grad; returns the loss.
-
-    ``record_layers(l)`` gives layer l's record for (at least) positions 0..P-2 of this prompt.
-    """
-    sample = ReplaySample(prompt_ids, response_ids, record_layers, loss_scale=loss_scale, targets=targets)
-    return run_to_end(replay_backward_slices(model, adapter, [sample]))[0]
 
 
 def replay_backward_slices(

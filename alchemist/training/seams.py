@@ -21,16 +21,20 @@ from alchemist.model.lora import LoraAdapter
 
 
 class AdapterPublisher(Protocol):
-    """Where a new adapter version goes to be served."""
+    """Where a new adapter version goes to be served: two ways, which differ in who pays for the merge into the
+    weights and when the version starts serving (not a sliced and an unsliced twin)."""
 
     def set_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
-        """Publish: serve ``adapter`` (None: the base model, version 0) as ``version`` from the next step. The copy
-        is taken in the call: later changes to ``adapter`` are not served."""
+        """Serve ``adapter`` (None: the base model, version 0) as ``version`` from the next step, its merge made by
+        the serving steps that follow, a layer each (a restore, a rollback: served at once, and no slice of
+        training's holds a whole merge). The copy is taken in the call: later changes to ``adapter`` are not
+        served."""
         ...
 
     def set_adapter_slices(self, adapter: LoraAdapter, version: int) -> Generator[None, None, None]:
-        """Publish with the merge into the weights made in slices, a layer each (run by the stepping thread,
-        between engine steps); served whole from the first step after the last slice."""
+        """Serve ``adapter`` as ``version`` once its merge is made here, a layer per slice (the stepping thread,
+        between engine steps: training's time); the previous version serves until the first step after the last
+        slice, so serving never pays for the merge (a batch's new version)."""
         ...
 
 

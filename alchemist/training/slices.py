@@ -1,5 +1,13 @@
-"""Sliced work: a generator that yields wherever serving may take its turn (alchemist.server.async_engine) and
-returns its result. The online trainer runs its work this way between engine steps; everyone else runs it through.
+"""Sliced work: training's torch work is written once, as generators that serving may interrupt.
+
+The convention: an operation that the online trainer runs between engine steps is one generator, named
+``<operation>_slices``, that yields wherever serving may take its turn (alchemist.server.async_engine) and returns
+its result. There is no unsliced twin. A caller that pauses writes ``result = yield from op_slices(...)``; one that
+does not (a test, a benchmark, a rollback between batches) writes ``result = run_to_end(op_slices(...))``. The
+suffix says it at every call: calling ``op_slices(...)`` alone runs nothing.
+
+    step = yield from trainer.step_slices(samples)          # the online trainer, between engine steps
+    step = run_to_end(trainer.step_slices(samples))         # everyone else
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The trainer: one optimizer step of a LoRA adapter over a batch of samples, replaying records where it can.
 
-``Trainer.step`` reads as the story: fetch each sample's record -> replay it (or recompute the prompt) ->
-loss -> backward (accumulated over the batch) -> clip -> update -> bump the adapter version. Samples go through
-the model in groups (``group_size`` of them, ``group_max_tokens`` rows at most): a group's replayable samples
-in one walk, its others in one recompute forward.
+``Trainer.step_slices`` is the story, top to bottom: fetch each sample's record -> replay it (or recompute the
+prompt) -> loss -> backward (accumulated over the batch) -> update (clip, optimizer step, protected directions out)
+-> the adapter's version + 1. Publishing the version is the caller's (``alchemist.training.online``: once per
+mini-batch, after its steps and the evaluation gate). Samples go through the model in groups (``group_size`` of them,
+``group_max_tokens`` rows at most): a group's replayable samples in one walk, its others in one recompute forward.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
 while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
@@ -12,7 +13,7 @@ while the current version <= v + max_staleness (0: exact replay only). Otherwise
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,11 +27,11 @@ from alchemist.model.lora import LoraAdapter
 from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
 from alchemist.training.objectives import PreferenceTerm, preference_loss
+from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.recompute import recompute_losses
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.seams import RecordSource
-from alchemist.training.slices import run_to_end
 from alchemist.training.stats import TrainingStats
 
 T = TypeVar("T")
@@ -60,13 +61,15 @@ class Sample:
 
 @dataclass
 class StepResult:
-    loss: float
+    loss: float  # the mean of the samples' losses (before the update)
     num_samples: int
     response_tokens: int
     replayed: int
     recomputed: int
     adapter_version: int
-    step_s: float
+    step_s: float  # from the first slice to the last (serving's turns between them included)
+    passes: list[tuple[float, bool]]  # each sample's (loss, whether it was replayed), in order
+    updated: bool = True  # False: ``screen`` refused the step (gradients dropped, no update)
 
 
 class Trainer:
@@ -85,45 +88,52 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(adapter.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         self.stats = TrainingStats()  # the OnlineTrainer counts its batches into the same
         self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
+        self.protected: ProtectedSubspace | None = None  # directions each update keeps out of the adapter's A
 
-    def step(self, samples: list[Sample]) -> StepResult:
+    def step_slices(
+        self,
+        samples: list[Sample],
+        loss_scales: list[float] | None = None,
+        screen: Callable[[list[tuple[float, bool]]], bool] | None = None,
+    ) -> Generator[None, None, StepResult]:
+        """One optimizer step over ``samples`` (each loss scaled by ``loss_scales``, default 1/N), in slices. Where
+        ``screen`` is given, it sees each sample's (loss, replayed) before the update, and False drops the gradients
+        instead (no update: the poisoning guard's veto)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         t0 = time.perf_counter()
-        scales = [1.0 / len(samples)] * len(samples)
-        results = run_to_end(self.backward_batch_slices(samples, scales))
-        self.update()
+        scales = loss_scales if loss_scales is not None else [1.0 / len(samples)] * len(samples)
+        passes = yield from self.backward_slices(samples, scales)  # fetch records -> replay or recompute -> loss
+        updated = screen is None or screen(passes)
+        if updated:
+            yield
+            self.update()  # clip -> optimizer step -> protected directions out -> version + 1
+            yield
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            loss=sum(loss for loss, _ in results) / len(samples),
+            loss=sum(loss for loss, _ in passes) / len(samples),
             num_samples=len(samples),
             response_tokens=sum(len(s.response_ids) for s in samples),
-            replayed=sum(replayed for _, replayed in results),
-            recomputed=sum(not replayed for _, replayed in results),
+            replayed=sum(replayed for _, replayed in passes),
+            recomputed=sum(not replayed for _, replayed in passes),
             adapter_version=self.adapter.version,
             step_s=time.perf_counter() - t0,
+            passes=passes,
+            updated=updated,
         )
 
-    def backward(self, sample: Sample, loss_scale: float = 1.0) -> tuple[float, bool]:
-        """Accumulates one sample's scaled gradient; returns (its loss, whether it was replayed)."""
-        return run_to_end(self.backward_slices(sample, loss_scale))
-
-    def backward_slices(self, sample: Sample, loss_scale: float = 1.0) -> Generator[None, None, tuple[float, bool]]:
-        """``backward`` in slices (one per layer of a replay; a recompute is one slice): yields where serving may
-        preempt training, returns (the sample's loss, whether it was replayed)."""
-        results = yield from self.group_backward_slices([sample], [loss_scale])
-        return results[0]
-
-    def backward_batch_slices(
+    def backward_slices(
         self, samples: list[Sample], loss_scales: list[float]
     ) -> Generator[None, None, list[tuple[float, bool]]]:
-        """Accumulates the samples' scaled gradients, a group at a time (``groups``, ``group_backward_slices``),
-        in slices (each group's, and a pause between groups); returns (loss, replayed) of each."""
-        results: list[tuple[float, bool]] = []
+        """Accumulates the samples' scaled gradients, a group at a time (``groups``), in slices (each group's, and
+        a pause between groups); returns each sample's (loss, whether it was replayed)."""
+        passes: list[tuple[float, bool]] = []
         for group in self.groups(samples):
             if group.start:
                 yield
-            results += yield from self.group_backward_slices(samples[group], loss_scales[group])
-        return results
+            passes += yield from self._group_backward_slices(samples[group], loss_scales[group])
+        return passes
 
     def groups(self, samples: list[Sample]) -> list[slice]:
         """The batch cut into groups trained together: consecutive samples, at most ``group_size`` of them and
@@ -142,46 +152,53 @@ class Trainer:
             groups.append(slice(start, len(samples)))
         return groups
 
-    def group_backward_slices(
+    def _group_backward_slices(
         self, samples: list[Sample], loss_scales: list[float]
     ) -> Generator[None, None, list[tuple[float, bool]]]:
         """Accumulates the scaled gradients of a group of samples trained together: those with a usable record
-        replayed in one walk, the others recomputed in one forward and backward (one slice). Yields where serving
-        may preempt training; returns (loss, whether it was replayed) of each sample."""
+        replayed in one walk (in slices), the others recomputed in one forward and backward (one slice). Returns
+        (loss, whether it was replayed) of each sample."""
         device = self.model.device
         ids = [(torch.tensor(s.prompt_ids, device=device), torch.tensor(s.response_ids, device=device))
                for s in samples]  # fmt: skip
-        results: list[tuple[float, bool] | None] = [None] * len(samples)
+        passes: dict[int, tuple[float, bool]] = {}
         records = {i: record for i, s in enumerate(samples) if (record := self.usable_record(s)) is not None}
         for i, s in enumerate(samples[:-1]):  # a DPO pair is replayed together or recomputed together
             if s.pairs_with_next and (i in records) != (i + 1 in records):
                 self.store.release(records.pop(i if i in records else i + 1).record_id)  # type: ignore[union-attr]
         if records:
-            replayed = yield from self._replay_group(samples, loss_scales, ids, records)
-            for i, loss in (replayed or {}).items():
-                results[i] = loss, True
-        recompute = [i for i, result in enumerate(results) if result is None]
+            replayed = yield from self._replay_group_slices(samples, loss_scales, ids, records)
+            passes.update({i: (loss, True) for i, loss in (replayed or {}).items()})
+        recompute = [i for i in range(len(samples)) if i not in passes]
         if recompute:
-            group = [(*ids[i], samples[i].targets) for i in recompute]
-            values = recompute_losses(self.model, self.adapter, group, [samples[i].term is not None for i in recompute])
-            linear = [(v, i) for v, i in zip(values, recompute, strict=True) if samples[i].term is None]
-            preferred = [(v, i) for v, i in zip(values, recompute, strict=True) if samples[i].term is not None]
-            total = sum(v * loss_scales[i] for v, i in linear)
-            for v, i in linear:
-                results[i] = v.item(), False
-            if preferred:
-                objective, own = preference_loss(torch.stack([v for v, _ in preferred]),
-                                                 [samples[i].term for _, i in preferred])  # type: ignore[misc]  # fmt: skip
-                total = total + objective
-                for (_, i), loss in zip(preferred, own, strict=True):
-                    results[i] = loss, False
-            total.backward()  # type: ignore[union-attr]
-        for sample, (_, replayed) in zip(samples, results, strict=True):  # type: ignore[misc]
+            losses = self._recompute_group([samples[i] for i in recompute], [loss_scales[i] for i in recompute],
+                                           [ids[i] for i in recompute])  # fmt: skip
+            passes.update({i: (loss, False) for i, loss in zip(recompute, losses, strict=True)})
+        for i, sample in enumerate(samples):
             # counted as soon as the group is done: /metrics reads the counters while a batch goes on
-            self.stats.count_pass(len(sample.response_ids), replayed, anchor=sample.targets is not None)
-        return results  # type: ignore[return-value]
+            self.stats.count_pass(len(sample.response_ids), passes[i][1], anchor=sample.targets is not None)
+        return [passes[i] for i in range(len(samples))]
 
-    def _replay_group(
+    def _recompute_group(
+        self, samples: list[Sample], loss_scales: list[float], ids: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[float]:
+        """One forward over the samples and one backward of their scaled losses (a preference objective's over its
+        samples' sequence log-probabilities); returns each sample's loss."""
+        group = [(*pair, s.targets) for pair, s in zip(ids, samples, strict=True)]
+        values = recompute_losses(self.model, self.adapter, group, [s.term is not None for s in samples])
+        losses = [v.item() if s.term is None else 0.0 for v, s in zip(values, samples, strict=True)]
+        total = sum(v * scale for v, s, scale in zip(values, samples, loss_scales, strict=True) if s.term is None)
+        preferred = [i for i, s in enumerate(samples) if s.term is not None]
+        if preferred:
+            objective, own = preference_loss(torch.stack([values[i] for i in preferred]),
+                                             [samples[i].term for i in preferred])  # type: ignore[misc]  # fmt: skip
+            total = total + objective
+            for i, loss in zip(preferred, own, strict=True):
+                losses[i] = loss
+        total.backward()  # type: ignore[union-attr]
+        return losses
+
+    def _replay_group_slices(
         self,
         samples: list[Sample],
         loss_scales: list[float],
@@ -207,7 +224,7 @@ class Trainer:
                              samples[i].term)  # fmt: skip
                 for i, reader in readers.items()
             ]
-            losses = yield from _paused_timed(replay_backward_slices(self.model, self.adapter, replay), readers)
+            losses = yield from _paused_timed_slices(replay_backward_slices(self.model, self.adapter, replay), readers)
         except RecordUnavailable:  # a damaged file: never train on part of it
             if kept is None:
                 raise
@@ -237,15 +254,21 @@ class Trainer:
         return record if self.store.pin(record.record_id) else None
 
     def update(self) -> None:
+        """The accumulated gradients, clipped, become an optimizer step; the adapter's A then loses the protected
+        directions (if any) and its version goes up by one."""
         if self.config.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.protected is not None:
+            self.protected.project_(self.adapter)
         self.adapter.version += 1
         self.stats.steps += 1
 
 
-def _paused_timed(slices: Generator[None, None, T], readers: dict[int, RecordReader]) -> Generator[None, None, T]:
+def _paused_timed_slices(
+    slices: Generator[None, None, T], readers: dict[int, RecordReader]
+) -> Generator[None, None, T]:
     """Passes the replay's slices on, telling the readers how long each pause (serving's turn) lasted."""
     while True:
         try:

@@ -51,7 +51,7 @@ while engine.stats().num_waiting or "t" not in engine.store or not engine.runner
 
 trainer = Trainer(model, adapter, engine.store, TrainerConfig(max_staleness=10**9))
 sample = Sample(recorded, torch.randint(0, model.config.vocab_size, (64,), generator=g).tolist(), "t")
-slices = trainer.backward_slices(sample)
+slices = trainer.backward_slices([sample], [1.0])
 
 
 def training_slice() -> float:
@@ -61,7 +61,7 @@ def training_slice() -> float:
         next(slices)
     except StopIteration:
         trainer.optimizer.zero_grad(set_to_none=True)
-        slices = trainer.backward_slices(sample)
+        slices = trainer.backward_slices([sample], [1.0])
         next(slices)
     return time.perf_counter() - t0
 

@@ -6,7 +6,7 @@
 SmolLM2-135M-Instruct in fp32, a fresh LoRA (r=16, alpha=32, all seven projections). Each round is one optimizer
 step (the shipped ``Trainer``, AdamW, clip 1.0) on the ten invented facts' corrections, plus (``--anchors`` N) the
 KL to the base model on N anchors: the base model's greedy 48-token answers to ShareGPT first-turn questions
-(seed 11, none of the held-out ones), with top-k targets from ``reference_targets``, weighted ``anchor_weight / N``.
+(seed 11, none of the held-out ones), with top-k targets from ``references_slices``, weighted ``anchor_weight / N``.
 After each round: facts recalled by greedy answers (24 tokens) and the perplexity rise of the held-out ShareGPT
 replies the e2e test measures; at the end, how much of the rise sits on the 5% of tokens that rose most.
 Recompute path only (replay gives the same gradients: tests/training/test_anchors.py).
@@ -24,7 +24,8 @@ from alchemist.bench.sharegpt import sample_requests
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.anchors import reference_targets
+from alchemist.training.anchors import references_slices
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.server.test_online import FACTS, held_out_nll, held_out_replies
 
@@ -66,15 +67,16 @@ def main() -> None:
             prompt = tok.apply_chat_template(s.messages)
             if len(anchors) < args.anchors and tuple(prompt) not in held_prompts:
                 response = greedy(prompt, None, 48)
-                anchors.append(Sample(prompt, response, targets=reference_targets(model, prompt, response, args.top_k)))
+                (targets,) = run_to_end(references_slices(model, [(prompt, response)], args.top_k))
+                anchors.append(Sample(prompt, response, targets=targets))
     adapter = LoraAdapter(model.config, seed=0)
     trainer = Trainer(model, adapter, None, TrainerConfig(lr=args.lr))
     base = held_out_nll(model, tok, None)
     for round_ in range(1, args.rounds + 1):
         for sample in facts:
-            trainer.backward(sample, 1.0 / len(facts))
+            run_to_end(trainer.backward_slices([sample], [1.0 / len(facts)]))
         for sample in anchors:
-            trainer.backward(sample, args.anchor_weight / len(anchors))
+            run_to_end(trainer.backward_slices([sample], [args.anchor_weight / len(anchors)]))
         trainer.update()
         answers = [tok.decode(greedy(s.prompt_ids, adapter, 24)) for s in facts]
         recalled = sum(key in a.lower() for a, (_, _, key) in zip(answers, FACTS, strict=True))

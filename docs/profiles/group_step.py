@@ -18,7 +18,7 @@ from alchemist.bench.training import record_prefill
 from alchemist.model.loader import build_model, hf_dir_for
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.recompute import recompute_loss, recompute_losses
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.slices import run_to_end
 
 P, R, G, repeats = (int(a) for a in sys.argv[1:5])
@@ -33,7 +33,8 @@ records = [record_prefill(model, adapter, prompt, dtype) for prompt, _ in sample
 
 def replay_alone():
     for (prompt, response), record in zip(samples, records, strict=True):
-        replay_backward(model, adapter, record.layers.__getitem__, prompt, response, 1.0 / G)
+        sample = ReplaySample(prompt, response, record.layers.__getitem__, loss_scale=1.0 / G)
+        run_to_end(replay_backward_slices(model, adapter, [sample]))
 
 
 def replay_together():

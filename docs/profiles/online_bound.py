@@ -31,7 +31,7 @@ from alchemist.bench.training import record_prefill
 from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.recompute import responses_hidden
+from alchemist.training.recompute import responses_hidden_slices
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 
@@ -66,7 +66,7 @@ scales = [1.0 / len(samples)] * len(samples)
 
 def train(with_store: bool) -> None:
     trainer = Trainer(model, adapter, store if with_store else None, TrainerConfig(group_size=group_size))
-    results = run_to_end(trainer.backward_batch_slices(samples, scales))
+    results = run_to_end(trainer.backward_slices(samples, scales))
     assert all(replayed == with_store for _, replayed in results)
     adapter.zero_grad(set_to_none=True)
 
@@ -78,7 +78,7 @@ def forward(prompt_rows: bool) -> None:
     for start in range(0, len(samples), group_size):
         group = [(torch.tensor(s.prompt_ids if prompt_rows else s.prompt_ids[-1:]), torch.tensor(s.response_ids))
                  for s in samples[start : start + group_size]]  # fmt: skip
-        responses_hidden(model, adapter, group)
+        run_to_end(responses_hidden_slices(model, adapter, group))
 
 
 runs = {

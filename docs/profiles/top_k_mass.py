@@ -12,7 +12,8 @@ import torch
 
 from alchemist.model.loader import load_model
 from alchemist.training.losses import log_probs
-from alchemist.training.recompute import response_hidden
+from alchemist.training.recompute import responses_hidden_slices
+from alchemist.training.slices import run_to_end
 from tests.server.test_online import held_out_replies
 
 k = int(sys.argv[1]) if len(sys.argv) > 1 else 32
@@ -22,9 +23,8 @@ masses = []
 with torch.no_grad():
     for s in held_out_replies(tok):
         prompt, reply = torch.tensor(tok.apply_chat_template(s.messages)), torch.tensor(tok.encode_reply(s.reply))
-        masses.append(
-            log_probs(model.logits(response_hidden(model, None, prompt, reply))).topk(k, -1).values.exp().sum(-1)
-        )
+        (hidden,) = run_to_end(responses_hidden_slices(model, None, [(prompt, reply)]))
+        masses.append(log_probs(model.logits(hidden)).topk(k, -1).values.exp().sum(-1))
 mass = torch.cat(masses)
 summary = f"mean {mass.mean():.3f}, median {mass.median():.3f}, p10 {mass.quantile(0.1):.3f}"
 print(f"top-{k} mass over {len(mass)} positions: {summary}")

@@ -175,7 +175,7 @@ def groups_equal_one_at_a_time(ctx: Context) -> str:
     grads = []
     for group_size in (1, 4):
         trainer = Trainer(model, _on(adapter, ctx.device), store, TrainerConfig(group_size=group_size))
-        results = run_slices(trainer.backward_batch_slices(samples, [0.25] * 4))
+        results = run_slices(trainer.backward_slices(samples, [0.25] * 4))
         assert [replayed for _, replayed in results] == [True, True, False, True]
         grads.append({n: p.grad for n, p in trainer.adapter.named_parameters()})
     err = max_rel_l2(grads[0], grads[1])
@@ -216,7 +216,7 @@ def tiered_records_replay_bit_exactly(ctx: Context) -> str:
 
 def _grads(model, adapter, store, sample) -> list[torch.Tensor]:
     trainer = Trainer(model, _on(adapter, model.device), store)
-    _, replayed = trainer.backward(sample)
+    ((_, replayed),) = run_slices(trainer.backward_slices([sample], [1.0]))
     assert replayed
     return [p.grad.clone() for p in trainer.adapter.parameters()]
 
@@ -296,7 +296,8 @@ def engine_bf16_records_and_merge(ctx: Context) -> str:
     assert record is not None and record.layers[0]["qkv"].dtype == torch.bfloat16
     prompt, response = torch.tensor(prompts[0], device=ctx.device), ctx.ids(32, 50, 256)
     trainer = Trainer(model, _on(adapter, ctx.device), engine.store)
-    loss, replayed = trainer.backward(Sample(prompts[0], response.tolist(), record_id="r0"))
+    sample = Sample(prompts[0], response.tolist(), record_id="r0")
+    ((loss, replayed),) = run_slices(trainer.backward_slices([sample], [1.0]))
     assert replayed and loss == loss
     _, want = recompute_grads(model, _on(adapter, ctx.device), prompt, response)
     got = {n: p.grad for n, p in trainer.adapter.named_parameters()}

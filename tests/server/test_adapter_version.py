@@ -12,6 +12,7 @@ from alchemist.engine import LLMEngine
 from alchemist.model.lora import LoraAdapter
 from alchemist.server.app import app_for_engine
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.slices import run_to_end
 
 
 def test_registry_entry_carries_the_served_adapter_version(smollm2, tmp_path):
@@ -32,7 +33,7 @@ def test_without_training_the_last_checkpointed_version_serves(smollm2, tmp_path
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=4)
     for version in (2, 5):
         adapter.version = version
-        checkpoints.save(version, adapter, {"state": {}, "param_groups": []}, version * 10, {})
+        run_to_end(checkpoints.save_slices(version, adapter, {"state": {}, "param_groups": []}, version * 10, {}))
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
     app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)), online_config=OnlineConfig(enabled=False))
     assert engine.adapter_version == 5

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from alchemist.engine import SamplingParams
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, reference_targets, references, references_slices
+from alchemist.training.anchors import Anchor, AnchorPool, references_slices
 from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import replay_backward
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end as run_slices
 from tests.engine.helpers import random_prompts, run_to_end
 from tests.training.recording import record_alone, record_batched_chunked
 from tests.training.test_online import drain, online, serve_and_log
@@ -46,10 +47,10 @@ def test_kl_to_targets_is_the_kl_of_the_top_k_and_the_rest():
     assert kl_to_targets(ref, kept).item() == pytest.approx(0.0, abs=1e-6)
 
 
-def test_reference_targets_are_the_base_models_top_k(tiny_dirs):
+def test_references_are_the_base_models_top_k(tiny_dirs):
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
     prompt, response = list(range(3, 20)), [5, 9, 11, 2]
-    targets = reference_targets(model, prompt, response, top_k=6)
+    (targets,) = run_slices(references_slices(model, [(prompt, response)], top_k=6))
     assert targets.ids.shape == targets.logprobs.shape == (4, 6)
     # With the adapter off (B = 0 anyway here) the recompute path's KL to its own targets is zero.
     loss = recompute_loss(model, None, torch.tensor(prompt), torch.tensor(response), targets)
@@ -61,9 +62,9 @@ def test_references_of_several_anchors_in_one_forward_equal_each_alone(tiny_dirs
     g = torch.Generator().manual_seed(6)
     pairs = [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
              for p, r in ((17, 4), (1, 3), (30, 1))]  # fmt: skip
-    together = references(model, pairs, top_k=6)
+    together = run_slices(references_slices(model, pairs, top_k=6))
     for (prompt, response), got in zip(pairs, together, strict=True):
-        alone = reference_targets(model, prompt, response, top_k=6)
+        (alone,) = run_slices(references_slices(model, [(prompt, response)], top_k=6))
         assert got.ids.shape == (len(response), 6)
         assert torch.equal(got.ids, alone.ids)
         assert torch.allclose(got.logprobs, alone.logprobs, rtol=0, atol=1e-5)
@@ -101,7 +102,7 @@ def test_anchor_replay_gradients_equal_recompute(tiny_dirs, prefill):
     adapter = lora_with_nonzero_b(model)  # the adapted model differs from the base: a non-zero KL and gradient
     g = torch.Generator().manual_seed(4)
     prompt, response = torch.randint(0, 256, (40,), generator=g), torch.randint(0, 256, (11,), generator=g)
-    targets = reference_targets(model, prompt.tolist(), response.tolist(), top_k=16)
+    (targets,) = run_slices(references_slices(model, [(prompt.tolist(), response.tolist())], top_k=16))
     if prefill == "alone":
         record = record_alone(model, adapter, prompt)
     else:
@@ -111,7 +112,8 @@ def test_anchor_replay_gradients_equal_recompute(tiny_dirs, prefill):
     loss_ref.backward()
     ref = grads_of(adapter)
     adapter.zero_grad(set_to_none=True)
-    loss = replay_backward(model, adapter, lambda layer: record.layers[layer], prompt, response, targets=targets)
+    sample = ReplaySample(prompt, response, lambda layer: record.layers[layer], targets=targets)
+    (loss,) = run_slices(replay_backward_slices(model, adapter, [sample]))
     assert loss_ref.item() > 0
     assert loss == pytest.approx(loss_ref.item(), rel=1e-5)
     assert max_rel_l2(ref, grads_of(adapter)) <= 1e-5

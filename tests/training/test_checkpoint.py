@@ -16,6 +16,7 @@ from alchemist.model.config import ModelConfig
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.peft_format import load_adapter
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.slices import run_to_end
 
 CONFIG = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
@@ -60,7 +61,9 @@ def test_round_trip_is_bit_exact(tmp_path):
     adapter.version = 3  # the saved version is the one given to save(), whatever the adapter says
     checkpoints = AdapterCheckpoints(tmp_path, keep=3, base_model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
     assert checkpoints.latest() is None and checkpoints.versions() == []
-    saved = checkpoints.save(7, adapter, state, log_position=1234, metrics={"loss": 0.5, "samples": 8})
+    saved = run_to_end(
+        checkpoints.save_slices(7, adapter, state, log_position=1234, metrics={"loss": 0.5, "samples": 8})
+    )
 
     loaded, loaded_state, position = checkpoints.load(7, CONFIG)
     assert position == 1234 and loaded.version == 7
@@ -85,12 +88,12 @@ def test_only_the_newest_keep_versions_stay(tmp_path):
     adapter, state = trained(seed=1)
     checkpoints = AdapterCheckpoints(tmp_path, keep=2)
     for version in range(1, 6):
-        checkpoints.save(version, adapter, state, log_position=10 * version, metrics={})
+        run_to_end(checkpoints.save_slices(version, adapter, state, log_position=10 * version, metrics={}))
         assert [v.version for v in checkpoints.versions()] == list(range(max(1, version - 1), version + 1))
     assert entries(tmp_path) == ["LATEST", "v000004", "v000005"]
     assert checkpoints.latest().log_position == 50
     reopened = AdapterCheckpoints(tmp_path, keep=1)  # a smaller keep applies from the next save
-    reopened.save(6, adapter, state, log_position=60)
+    run_to_end(reopened.save_slices(6, adapter, state, log_position=60))
     assert entries(tmp_path) == ["LATEST", "v000006"]
 
 
@@ -98,14 +101,16 @@ def test_the_serving_version_is_the_newest_promoted_and_is_never_pruned(tmp_path
     """Versions the evaluation gate kept from serving pile up after the one that serves: it stays, whatever keep."""
     adapter, state = trained(seed=1)
     checkpoints = AdapterCheckpoints(tmp_path, keep=2)
-    checkpoints.save(1, adapter, state, log_position=1, metrics={"evaluation": {"promoted": True}})
-    checkpoints.save(2, adapter, state, log_position=2, metrics={})  # from before the gate: promoted
+    run_to_end(checkpoints.save_slices(1, adapter, state, log_position=1, metrics={"evaluation": {"promoted": True}}))
+    run_to_end(checkpoints.save_slices(2, adapter, state, log_position=2, metrics={}))  # from before the gate: promoted
     assert checkpoints.serving().version == 2
     for version in range(3, 7):
-        checkpoints.save(version, adapter, state, log_position=version, metrics={"evaluation": {"promoted": False}})
+        held = {"evaluation": {"promoted": False}}
+        run_to_end(checkpoints.save_slices(version, adapter, state, log_position=version, metrics=held))
     assert [v.version for v in checkpoints.versions()] == [2, 5, 6] and checkpoints.serving().version == 2
     assert [v.promoted for v in checkpoints.versions()] == [True, False, False]
-    checkpoints.save(7, adapter, state, log_position=7, metrics={"rollback_of": 5})  # an admin's: promoted
+    rollback = {"rollback_of": 5}  # an admin's: promoted
+    run_to_end(checkpoints.save_slices(7, adapter, state, log_position=7, metrics=rollback))
     assert [v.version for v in checkpoints.versions()] == [6, 7] and checkpoints.serving().version == 7
 
 
@@ -114,13 +119,13 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="keep"):
         AdapterCheckpoints(tmp_path, keep=0)
     checkpoints = AdapterCheckpoints(tmp_path, keep=2)
-    checkpoints.save(2, adapter, state, log_position=0)
+    run_to_end(checkpoints.save_slices(2, adapter, state, log_position=0))
     with pytest.raises(ValueError, match="not newer than the latest saved version 2"):
-        checkpoints.save(2, adapter, state, log_position=0)
+        run_to_end(checkpoints.save_slices(2, adapter, state, log_position=0))
     with pytest.raises(ValueError, match="log_position"):
-        checkpoints.save(3, adapter, state, log_position=-1)
+        run_to_end(checkpoints.save_slices(3, adapter, state, log_position=-1))
     with pytest.raises(ValueError, match="metrics must be JSON-serializable"):
-        checkpoints.save(3, adapter, state, log_position=0, metrics={"t": torch.zeros(1)})
+        run_to_end(checkpoints.save_slices(3, adapter, state, log_position=0, metrics={"t": torch.zeros(1)}))
     with pytest.raises(ValueError, match=r"no checkpoint version 1 \(versions: \[2\]\)"):
         checkpoints.load(1, CONFIG)
     assert entries(tmp_path) == ["LATEST", "v000002"]
@@ -132,6 +137,7 @@ import os, shutil, signal, sys
 import torch
 import alchemist.model.peft_format as peft_format
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.slices import run_to_end
 from tests.training.test_checkpoint import trained
 
 directory, point = sys.argv[1], sys.argv[2]
@@ -159,7 +165,7 @@ elif point == "prune":  # LATEST points at the new version; an old one is half d
         return real_rmtree(path, *args, **kwargs)
     shutil.rmtree = rmtree
 adapter, state = trained(seed=3)
-AdapterCheckpoints(directory, keep=2).save(3, adapter, state, log_position=30)
+run_to_end(AdapterCheckpoints(directory, keep=2).save_slices(3, adapter, state, log_position=30))
 """
 
 
@@ -167,8 +173,8 @@ AdapterCheckpoints(directory, keep=2).save(3, adapter, state, log_position=30)
 def test_a_save_killed_midway_leaves_the_previous_version(tmp_path, point):
     adapter, state = trained(seed=4)
     checkpoints = AdapterCheckpoints(tmp_path, keep=2)
-    checkpoints.save(1, adapter, state, log_position=10)
-    checkpoints.save(2, adapter, state, log_position=20)
+    run_to_end(checkpoints.save_slices(1, adapter, state, log_position=10))
+    run_to_end(checkpoints.save_slices(2, adapter, state, log_position=20))
     crashed = subprocess.run([sys.executable, "-c", CRASH, str(tmp_path), point], cwd=REPO, capture_output=True)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr.decode()
     assert len(entries(tmp_path)) > 3  # it left something behind
@@ -183,7 +189,7 @@ def test_a_save_killed_midway_leaves_the_previous_version(tmp_path, point):
     loaded, loaded_state, position = reopened.load(2, CONFIG)
     assert position == 20 and torch.equal(loaded.B["0_q_proj"], adapter.B["0_q_proj"])
     assert_same_state(loaded_state, state)
-    reopened.save(3, adapter, state, log_position=30)  # and the trainer carries on
+    run_to_end(reopened.save_slices(3, adapter, state, log_position=30))  # and the trainer carries on
     assert entries(tmp_path) == ["LATEST", "v000002", "v000003"]
 
 
@@ -192,7 +198,7 @@ def test_a_save_in_slices_commits_only_at_its_end_and_a_closed_one_leaves_nothin
     is the latest; one abandoned midway (a rollback, the trainer's batch dropped) leaves no files behind."""
     adapter, state = trained(seed=6)
     checkpoints = AdapterCheckpoints(tmp_path, keep=3)
-    checkpoints.save(1, adapter, state, log_position=10)
+    run_to_end(checkpoints.save_slices(1, adapter, state, log_position=10))
     slices = checkpoints.save_slices(2, adapter, state, log_position=20)
     for _ in range(2):
         next(slices)
@@ -211,7 +217,7 @@ def test_a_save_in_slices_commits_only_at_its_end_and_a_closed_one_leaves_nothin
 
 def test_leftovers_of_a_crash_are_removed_at_start_up(tmp_path):
     adapter, state = trained(seed=5)
-    AdapterCheckpoints(tmp_path, keep=3).save(1, adapter, state, log_position=10)
+    run_to_end(AdapterCheckpoints(tmp_path, keep=3).save_slices(1, adapter, state, log_position=10))
     (tmp_path / ".tmp-v000002-abc").mkdir()  # a save that died while writing
     (tmp_path / ".tmp-v000002-abc" / "optimizer.pt").write_bytes(b"partial")
     (tmp_path / "v000003").mkdir()  # a version renamed into place whose LATEST update never happened
@@ -247,7 +253,7 @@ def truncate(path: Path) -> None:
 def test_a_broken_file_is_named(tmp_path, relative, damage, message):
     adapter, state = trained(seed=6)
     checkpoints = AdapterCheckpoints(tmp_path, keep=3)
-    checkpoints.save(1, adapter, state, log_position=10)
+    run_to_end(checkpoints.save_slices(1, adapter, state, log_position=10))
     path = tmp_path / "v000001" / relative
     damage(path)
     with pytest.raises(ValueError, match=message) as error:
@@ -257,7 +263,7 @@ def test_a_broken_file_is_named(tmp_path, relative, damage, message):
 
 def test_a_garbled_latest_pointer_is_named_and_nothing_is_deleted(tmp_path):
     adapter, state = trained(seed=7)
-    AdapterCheckpoints(tmp_path, keep=3).save(1, adapter, state, log_position=10)
+    run_to_end(AdapterCheckpoints(tmp_path, keep=3).save_slices(1, adapter, state, log_position=10))
     (tmp_path / "LATEST").write_text("garbage")
     with pytest.raises(ValueError, match="LATEST: expected a version directory name"):
         AdapterCheckpoints(tmp_path, keep=3)

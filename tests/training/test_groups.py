@@ -11,7 +11,8 @@ from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
 from alchemist.training.losses import Targets
 from alchemist.training.recompute import recompute_loss, recompute_losses
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone
@@ -46,8 +47,8 @@ def one_at_a_time(model, adapter, samples, replay: bool):
     losses = []
     for (prompt, response, record, targets), scale in zip(samples, SCALES, strict=True):
         if replay:
-            layers = record.layers.__getitem__
-            losses.append(replay_backward(model, adapter, layers, prompt, response, scale, targets))
+            sample = ReplaySample(prompt, response, record.layers.__getitem__, loss_scale=scale, targets=targets)
+            losses += run_to_end(replay_backward_slices(model, adapter, [sample]))
         else:
             loss = recompute_loss(model, adapter, prompt, response, targets)
             (loss * scale).backward()
@@ -112,8 +113,8 @@ def test_trainer_groups_replay_and_recompute_samples(tiny_dirs):
     samples.append(Sample(samples[0].prompt_ids, samples[0].response_ids[:5]))  # no record id: recomputed
 
     grouped = Trainer(model, adapter, store, TrainerConfig(group_size=3))
-    result = grouped.step(samples)
-    reference = Trainer(model, twin, store, TrainerConfig(group_size=1)).step(samples)
+    result = run_to_end(grouped.step_slices(samples))
+    reference = run_to_end(Trainer(model, twin, store, TrainerConfig(group_size=1)).step_slices(samples))
 
     assert (result.replayed, result.recomputed) == (reference.replayed, reference.recomputed) == (3, 2)
     assert grouped.stats.samples == 5 and grouped.stats.missing == 1

@@ -103,7 +103,8 @@ def case(tiny_dirs, tmp_path_factory) -> Case:
     # (with the random adapter alone it is clamped at 0, and the test would not see it).
     trainer = Trainer(model, adapter, None, TrainerConfig(lr=1e-2, replay=False))
     for _ in range(3):
-        trainer.step([Sample(p, RESPONSES[j]) for p, j in zip(PROMPTS, mismatched(range(4)), strict=True)])
+        mismatched_pairs = [Sample(p, RESPONSES[j]) for p, j in zip(PROMPTS, mismatched(range(4)), strict=True)]
+        run_to_end(trainer.step_slices(mismatched_pairs))
     adapter_dir = tmp_path_factory.mktemp("adapter") / VARIANT
     save_adapter(adapter, adapter_dir, base_model_name_or_path=str(hf_dir))
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -186,7 +187,7 @@ def our_step_grads(case, items, store=None, replay=False, group_size=4):
     trainer = Trainer(case.model, case.adapter, store, TrainerConfig(replay=replay, group_size=group_size))
     batch = FeedbackBatch(items, weights(), group_size)
     samples, scales = run_to_end(batch.samples_slices(case.model, case.adapter))
-    results = run_to_end(trainer.backward_batch_slices(samples, scales))
+    results = run_to_end(trainer.backward_slices(samples, scales))
     return {key: g.clone() for key, g in case.adapter.module_tensors(grads=True).items()}, samples, results
 
 

@@ -14,7 +14,7 @@ import torch
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.protected import ORDINARY_FILE, ProtectedSubspace, principal_directions
-from alchemist.training.recompute import responses_hidden
+from alchemist.training.recompute import responses_hidden_slices
 from alchemist.training.slices import run_to_end
 from tests.training.test_online import drain, online, serve_and_log
 
@@ -109,7 +109,7 @@ def _seam_inputs(model, tokenizer) -> dict[tuple[int, str], torch.Tensor]:
              for c in chats]  # fmt: skip
     capture = _Inputs()
     with torch.no_grad():
-        responses_hidden(model, capture, pairs)
+        run_to_end(responses_hidden_slices(model, capture, pairs))
     return {key: torch.cat(rows) for key, rows in capture.rows.items()}
 
 

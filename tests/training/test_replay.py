@@ -10,7 +10,8 @@ from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import recompute_loss
-from alchemist.training.replay import ReplaySample, replay_backward, replay_backward_slices
+from alchemist.training.replay import ReplaySample, replay_backward_slices
+from alchemist.training.slices import run_to_end
 from tests.tiny_models import TINY_VARIANTS
 from tests.training.recording import record_alone, record_batched_chunked
 
@@ -37,7 +38,8 @@ def recompute_grads(model, adapter, prompt, response):
 
 def replay_grads(model, adapter, record, prompt, response):
     adapter.zero_grad(set_to_none=True)
-    loss = replay_backward(model, adapter, lambda layer: record.layers[layer], prompt, response)
+    sample = ReplaySample(prompt, response, lambda layer: record.layers[layer])
+    (loss,) = run_to_end(replay_backward_slices(model, adapter, [sample]))
     return loss, grads_of(adapter)
 
 

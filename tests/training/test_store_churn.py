@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from alchemist.activations import disk
 from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
+from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer
 from tests.training.recording import record_alone
 from tests.training.test_replay import lora_with_nonzero_b
@@ -48,7 +49,7 @@ def world(tiny_dirs):
 
 def grads_of(model, adapter, store, sample) -> list[torch.Tensor]:
     trainer = Trainer(model, copy.deepcopy(adapter), store)
-    trainer.backward(sample)
+    run_to_end(trainer.backward_slices([sample], [1.0]))
     assert trainer.stats.replayed == (store is not None)
     return [p.grad.clone() for p in trainer.adapter.parameters()]
 
@@ -83,7 +84,7 @@ def test_training_under_store_churn_is_exact_and_within_budgets(world, tmp_path_
             _, sample, replayed, recomputed = cases[step % NUM_RECORDS]
             trainer = Trainer(model, copy.deepcopy(adapter), store)
             try:
-                trainer.backward(sample)
+                run_to_end(trainer.backward_slices([sample], [1.0]))
             except BaseException as e:  # noqa: BLE001 (any exception is a failure, reported below)
                 errors.append(e)
                 return

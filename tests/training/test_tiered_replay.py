@@ -37,7 +37,7 @@ def sample_ids():
 def gradients(model, adapter, store, sample, **trainer_kwargs) -> tuple[list[torch.Tensor], Trainer]:
     """One sample's gradients on a fresh copy of the adapter."""
     trainer = Trainer(model, copy.deepcopy(adapter), store, **trainer_kwargs)
-    trainer.backward(sample)
+    _run(trainer.backward_slices([sample], [1.0]))
     return [p.grad.clone() for p in trainer.adapter.parameters()], trainer
 
 
@@ -91,14 +91,14 @@ def test_corrupt_disk_record_is_recomputed_never_trained_on(model, adapter, samp
     path = sorted(tmp_path.glob(f"*{disk.SUFFIX}"))[0]  # files are numbered in order of writing: "resp" went first
     # Read in the walk's thread (no prefetch), so that the walk reads layer 0 after the live forward is done.
     trainer = Trainer(model, copy.deepcopy(adapter), store, TrainerConfig(prefetch_depth=0))
-    slices = trainer.backward_slices(sample)
+    slices = trainer.backward_slices([sample], [1.0])
     if when == "during the walk":  # the walk began: the top layer's gradients are accumulated
         for _ in range(model.config.num_layers + 3):  # the live forward's layers, the loss, its backward, a layer
             # (in two slices: its MLP, then its attention and qkv)
             next(slices)
         assert trainer.adapter.A[f"{model.config.num_layers - 1}_qkv"].grad is not None
     flip_byte_of(path, "0.gate_up")
-    loss, replayed = _run(slices)
+    ((loss, replayed),) = _run(slices)
     assert not replayed and loss > 0
     assert (trainer.stats.unreadable, trainer.stats.recomputed, trainer.stats.replayed) == (1, 1, 0)
     assert store.stats.corrupt == 1 and "resp" not in store and not path.exists()
@@ -125,7 +125,7 @@ def test_hedged_layers_are_recomputed_from_their_input(model, adapter, sample_id
     store = record_down_to("disk", model, adapter, prompt, torch.float32, tmp_path)
     trainer = Trainer(model, copy.deepcopy(adapter), store)
     trainer.costs = CostModel(read_bytes_per_s={"disk": 1e3}, walk_s_per_row=1e-3, recompute_s_per_row=1e-3)
-    trainer.backward(sample)
+    _run(trainer.backward_slices([sample], [1.0]))
     n = model.config.num_layers
     assert trainer.stats.replayed == 1 and trainer.stats.layers_recomputed == n
     assert trainer.stats.layers_reloaded == 0
@@ -142,11 +142,11 @@ def test_corrupt_record_in_a_group_recomputes_the_whole_group(model, adapter, sa
     samples = [Sample(prompt.tolist(), response.tolist(), record_id="resp"),
                Sample(prompt[:30].tolist(), response.tolist(), record_id="later")]  # fmt: skip
     expected = Trainer(model, copy.deepcopy(adapter), None, TrainerConfig(group_size=2))
-    _run(expected.backward_batch_slices(samples, [0.5, 0.5]))
+    _run(expected.backward_slices(samples, [0.5, 0.5]))
     store = record_down_to("disk", model, adapter, prompt, torch.float32, tmp_path)  # "later" stays in memory
     path = sorted(tmp_path.glob(f"*{disk.SUFFIX}"))[0]
     trainer = Trainer(model, copy.deepcopy(adapter), store, TrainerConfig(prefetch_depth=0, group_size=2))
-    slices = trainer.backward_batch_slices(samples, [0.5, 0.5])
+    slices = trainer.backward_slices(samples, [0.5, 0.5])
     for _ in range(model.config.num_layers + 2):  # the live forward's layers, the loss, its backward, a layer
         next(slices)
     flip_byte_of(path, "0.gate_up")
