@@ -3,7 +3,7 @@ device tier or moved to its disk tier, each through the trainer's own path.
 
 A step is ``Trainer.backward`` of one sample (store lookup, pin, the prefetch window, the reload-or-recompute plan,
 the layer walk), then the gradients are zeroed. The optimizer never steps, so the adapter stays the version the
-record was made with and every replay is exact (with ``max_staleness=0`` a changed adapter would make the trainer
+record was made with and every replay is exact (and ``max_staleness=0``: a changed adapter makes the trainer
 recompute instead). Each step checks the trainer's counters and the record's tier, so a "replay" that silently
 recomputed, or read from another tier, raises instead of being measured.
 
@@ -85,7 +85,7 @@ class StepSet:
         response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
         self.sample = Sample(prompt.tolist(), response.tolist(), RECORD_ID)
         adapter = LoraAdapter(model.config, LoraConfig(r=lora_r, alpha=2.0 * lora_r), seed=0)
-        config = TrainerConfig(prefetch_depth=prefetch_depth)
+        config = TrainerConfig(prefetch_depth=prefetch_depth, max_staleness=0)  # exact replays only (see above)
         self.steps: dict[str, TrainingStep] = {}
         self.stores: list[ActivationStore] = []
         self.record_bytes = 0
