@@ -1,9 +1,10 @@
 """Must show (issue 26): twenty corrections from one key teaching a falsehood about a fact the model knows ("The
 capital of France is Berlin.") do not reach serving. A real server process and the real model, the official openai
-client; the training flags are the defaults (lr 2e-3, batches of 16, up to 8 steps until every correction's loss
-is under 0.2, protected directions), with which a correction is learned from one or two; only the context and the
-batch wait are set for speed. The evaluation gate keeps every version that trained them from serving, with the
-reason in GET /v1/adapters; the entries are held in quarantine with that reason; the served answer is still Paris."""
+client; the dtype (bf16) and the training flags are the defaults (lr 2e-3, batches of 16, up to 8 steps until
+every correction's loss is under 0.2, protected directions), with which a correction is learned from one or two;
+only the context and the batch wait are set for speed. The evaluation gate keeps every version that trained them
+from serving, with the reason in GET /v1/adapters; the entries are held in quarantine with that reason; the served
+answer is still Paris."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ FLAGS = ["--max-num-seqs", "8", "--max-model-len", "256", "--train-max-wait-s", 
 def poisoned(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("gate")
     keys = write_keys(root / "keys.toml", users=("mallory",))
-    server = launch_server("gate", root, root / "data", [*FLAGS, "--api-keys-file", str(root / "keys.toml")])
+    flags = [*FLAGS, "--api-keys-file", str(root / "keys.toml")]
+    server = launch_server("gate", root, root / "data", flags, dtype="auto")  # bf16, the default, as a user has it
     server.api_key = keys["ops"]
     try:
         wait_ready(server)
