@@ -25,7 +25,7 @@ def test_bench_soak_brief():
         assert r["requests"] >= 2 and r["errors"] == 0 and r["errors_429"] == 0 and r["errors_by"] is None
         assert r["feedback"] == r["requests"] and 1 <= r["corrections"] < r["requests"]
         assert 200 < r["rss_warm_mb"] <= r["rss_max_mb"] and r["rss_end_mb"] <= r["rss_max_mb"]
-        assert r["warm_s"] >= 2 and 0 <= r["rss_growth_mb"] <= r["rss_max_mb"] - r["rss_warm_mb"]
+        assert r["warm_s"] >= 2 and 0 <= r["rss_growth_mb"] <= r["rss_max_mb"] - r["rss_warm_mb"] + 0.1  # rounding
         assert r["backlog_max"] >= 1
     for run in runs:
         rss = [r for r in rows if r.get("rss_of") == run]
