@@ -236,7 +236,7 @@ class OnlineTrainer:
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
         feedback = FeedbackBatch([it for _, it in batch], self.weights, self.config.trainer.group_size)
         if feedback.kto or feedback.dpo:
-            yield from feedback.references_slices(self.model)  # the base model's, once for all epochs
+            yield from feedback.references_slices(self.trainer)  # the base model's, once for all epochs
         anchors = yield from self._anchor_samples()
         if self.config.protect_energy and self.protected is None:
             self.protected = yield from ProtectedSubspace.load_or_compute_slices(
@@ -253,7 +253,7 @@ class OnlineTrainer:
                 self.gate.bounds.taught_samples)]  # fmt: skip
             taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         for epoch in range(self.config.epochs):
-            samples, scales = yield from feedback.samples_slices(self.model, self.adapter)
+            samples, scales = yield from feedback.samples_slices(self.trainer)
             passes = samples + anchors
             if anchors:
                 scales += [self.config.anchor_weight / len(anchors)] * len(anchors)
