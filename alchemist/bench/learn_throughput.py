@@ -120,8 +120,11 @@ def throughput(args: argparse.Namespace, config: OnlineConfig) -> list[dict]:
         rows.append({
             "part": "throughput", "objective": objective, **shape, "passes": batches["replay"].passes,
             "epochs": config.epochs, "replay_s": round(times["replay"], 3), "recompute_s": round(times["recompute"], 3),
+            # the passes without gradient, replayed and recomputed: the base model's (once a batch), KTO's z0 (a step)
             "reference_s": round(statistics.median(batches["replay"].reference_s), 3),
+            "reference_recompute_s": round(statistics.median(batches["recompute"].reference_s), 3),
             "kl_s": round(statistics.median(batches["replay"].kl_s), 3),
+            "kl_recompute_s": round(statistics.median(batches["recompute"].kl_s), 3),
             "replay_items_s": round(n / times["replay"], 2), "recompute_items_s": round(n / times["recompute"], 2),
             "ratio": round(ratio, 2), "goal": f">= {GOAL}" if objective != "sft" else None,
             "met": ratio >= GOAL if objective != "sft" else None,

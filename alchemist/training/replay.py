@@ -14,6 +14,9 @@ Built as the layer walk of shared/design/activation-reuse.md, section 6:
    output rows from the layer above. No base matmul runs on the prompt rows and no attention forward; each base
    weight is read once per layer for all n + R rows.
 
+A pass without gradient (a preference objective's reference log-probabilities: ``replay_logps_slices``) is the live
+forward alone, nothing kept for a walk.
+
 Only one layer's prompt rows are worked on at a time: that is where the memory goes down. The live forward reads
 each layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the
 trainer passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host

@@ -6,7 +6,9 @@ the model in groups (``group_size`` of them, ``group_max_tokens`` rows at most):
 in one walk, its others in one recompute forward.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
-while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
+while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed. A pass of
+the base model without gradient (``alchemist.training.logp_passes``) may use only a record the base model made
+(version 0): ``pinned_record``.
 """
 
 from __future__ import annotations
