@@ -6,9 +6,11 @@ The same ``--throughput-items`` ShareGPT conversations (multi-turn: the history 
 and both ways: corrections (SFT), ratings alternately up and down (KTO), pairs preferring each reply to the next
 conversation's (DPO). Their prompts are recorded by the engine as serving records them (the default record dtype).
 A mini-batch is trained as the online trainer trains one (``alchemist.training.online``, without its anchors and
-evaluation gate): the base model's log-probabilities once (KTO and DPO; a forward without gradient, recomputed
-either way), then ``epochs`` x (KTO's reference point under the adapter, the samples' forward and backward, the
-optimizer's update), with ``OnlineConfig``'s batch grouping, learning rate and objective weights. Replay and
+evaluation gate): the base model's log-probabilities once (KTO and DPO), then ``epochs`` x (KTO's reference point
+under the adapter, the samples' forward and backward, the optimizer's update), with ``OnlineConfig``'s batch
+grouping, learning rate and objective weights. Both passes without gradient replay from the records too, or are
+recomputed, with the samples (``alchemist.training.logp_passes``); the records are the base model's (version 0),
+the case where its reference pass replays: under a trained adapter's records it is recomputed either way. Replay and
 recompute alternate (``interleaved_medians``): medians of ``--repeats`` after a warm-up. An item is one feedback
 entry (a correction, a rating, a pair); a DPO pair is two sample passes.
 """
@@ -67,17 +69,20 @@ class MiniBatch:
         batch = FeedbackBatch(self.items, self.weights, self.config.trainer.group_size)
         t0 = time.perf_counter()
         if batch.kto or batch.dpo:
-            run_to_end(batch.references_slices(self.model))
+            run_to_end(batch.references_slices(self.trainer))
         self.reference_s.append(time.perf_counter() - t0)
         for _ in range(self.config.epochs):
             t0 = time.perf_counter()
-            samples, scales = run_to_end(batch.samples_slices(self.model, self.adapter))
+            samples, scales = run_to_end(batch.samples_slices(self.trainer))
             self.kl_s.append(time.perf_counter() - t0)
             results = run_to_end(self.trainer.step_slices(samples, scales)).passes
             replayed, replay = sum(r for _, r in results), self.trainer.config.replay
             if replayed != (len(results) if replay else 0):  # the other path timed: no number at all rather
                 raise RuntimeError(f"{replayed} of {len(results)} samples replayed (replay={replay})")
             self.passes = len(results)
+        s = self.trainer.stats
+        if (s.reference_recomputed + s.kl_recomputed if replay else s.reference_replayed + s.kl_replayed):
+            raise RuntimeError(f"passes without gradient took the other path (replay={replay}): {s}")
 
 
 def record_prompts(engine: LLMEngine, prompts: list[list[int]]) -> None:
@@ -114,8 +119,11 @@ def throughput(args: argparse.Namespace, config: OnlineConfig) -> list[dict]:
         rows.append({
             "part": "throughput", "objective": objective, **shape, "passes": batches["replay"].passes,
             "epochs": config.epochs, "replay_s": round(times["replay"], 3), "recompute_s": round(times["recompute"], 3),
+            # the passes without gradient, replayed and recomputed: the base model's (once a batch), KTO's z0 (a step)
             "reference_s": round(statistics.median(batches["replay"].reference_s), 3),
+            "reference_recompute_s": round(statistics.median(batches["recompute"].reference_s), 3),
             "kl_s": round(statistics.median(batches["replay"].kl_s), 3),
+            "kl_recompute_s": round(statistics.median(batches["recompute"].kl_s), 3),
             "replay_items_s": round(n / times["replay"], 2), "recompute_items_s": round(n / times["recompute"], 2),
             "ratio": round(ratio, 2), "goal": f">= {GOAL}" if objective != "sft" else None,
             "met": ratio >= GOAL if objective != "sft" else None,

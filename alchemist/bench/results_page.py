@@ -40,6 +40,16 @@ def f1(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def both_ways(row: dict, part: str) -> str:
+    """A throughput row's time of a pass without gradient, replayed / recomputed (rows before both were timed:
+    the one time, recomputed both ways)."""
+    if not row[f"{part}_s"]:
+        return "-"
+    if f"{part}_recompute_s" not in row:
+        return f"{f1(row[f'{part}_s'])} (both ways)"
+    return f"{f1(row[f'{part}_s'])} / {f1(row[f'{part}_recompute_s'])}"
+
+
 def ratio(num: float, den: float) -> str:
     return f"**{num / den:.2f}**"
 
@@ -120,10 +130,10 @@ def learn_block(meta: dict, folder: Path) -> str:
     ])
     through = read_rows(folder / meta["throughput"])
     out += "\n" + table(
-        ["objective", "replay s", "recompute s", "base-model pass s (both ways)", "KTO reference point s",
-         "items/s replay", "replay / recompute", "goal"],
-        [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", f1(r["reference_s"] or None),
-          f1(r["kl_s"] or None), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
+        ["objective", "replay s", "recompute s", "base-model pass s (replay / recompute)",
+         "KTO reference point s (replay / recompute)", "items/s replay", "replay / recompute", "goal"],
+        [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", both_ways(r, "reference"),
+          both_ways(r, "kl"), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
           "-" if r["goal"] is None else f"{r['goal']}: {yes[r['met']]}"] for r in through],
     )
     return out

@@ -96,6 +96,16 @@ class _TrainingCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "training_anchor_tokens", "Anchor response tokens trained (once per epoch).", value=s.anchor_tokens
         )
+        logps = CounterMetricFamily(
+            PREFIX + "training_logp_passes",
+            "Passes without gradient of the preference objectives, by kind (reference: the base model's "
+            "log-probabilities; kl: KTO's reference point under the adapter) and path: replayed or recomputed.",
+            labels=["kind", "path"],
+        )
+        for kind in ("reference", "kl"):
+            logps.add_metric([kind, "replay"], getattr(s, f"{kind}_replayed"))
+            logps.add_metric([kind, "recompute"], getattr(s, f"{kind}_recomputed"))
+        yield logps
         layers = CounterMetricFamily(
             PREFIX + "training_record_layers",
             "Prompt layers of replayed records, by source: reloaded from the activation store or recomputed from "

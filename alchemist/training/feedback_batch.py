@@ -2,16 +2,17 @@
 pairs by DPO, in one loss.
 
     batch = FeedbackBatch(items, ObjectiveWeights())
-    yield from batch.references_slices(model)                          # once: the base model's log-probabilities
-    samples, scales = yield from batch.samples_slices(model, adapter)  # each step: KTO's z0 under this adapter
+    yield from batch.references_slices(trainer)                 # once: the base model's log-probabilities
+    samples, scales = yield from batch.samples_slices(trainer)  # each step: KTO's z0 under the trainer's adapter
 
 The step's loss is ``sft x mean(SFT losses) + kto x mean(KTO losses) + dpo x mean(DPO pair losses)`` (the means
 over the batch's samples of each objective, as TRL's trainers take them; ``alchemist.training.objectives``).
 The reference log-probabilities (the base model's, adapter off) never change, so they are computed once per batch
 however many epochs train it; KTO's reference point z0 is estimated again before each step, from the batch's
-mismatched pairs under the adapter of that step (TRL does so every step too). Both are forward passes without
-gradient, recomputed (a mismatched pair has no record; the base model's pass could replay a record made by the
-base model, which is not done yet). The gradient passes replay like any sample's.
+mismatched pairs under the adapter of that step (TRL does so every step too). Both are passes without gradient,
+replayed from the prompts' records where that gives their values and recomputed elsewhere
+(``alchemist.training.logp_passes``): a mismatched pair from its prompt's record; the base model's pass only from a
+record the base model made. The gradient passes replay like any sample's.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from typing import Literal
 
 import torch
 
-from alchemist.model.llama import Llama
-from alchemist.model.lora import LoraAdapter
+from alchemist.training.logp_passes import LogpPass, sequence_logps_slices
 from alchemist.training.objectives import PreferenceTerm, kto_kl, mismatched
-from alchemist.training.recompute import sequence_logps_slices
-from alchemist.training.trainer import Sample
+from alchemist.training.trainer import Sample, Trainer
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,9 @@ class FeedbackBatch:
         self.sft = [i for i in items if i.objective == "sft"]
         self.kto = [i for i in items if i.objective == "kto"]
         self.dpo = [i for i in items if i.objective == "dpo"]
-        # KTO's mismatched pairs: prompt j with the completion of the KTO item before it (TRL's rotation)
-        self.kl_pairs = [(item.prompt_ids, self.kto[k].response_ids)
+        # KTO's mismatched pairs: prompt j with the completion of the KTO item before it (TRL's rotation), from
+        # prompt j's record
+        self.kl_pairs = [LogpPass(item.prompt_ids, self.kto[k].response_ids, item.record_id)
                          for item, k in zip(self.kto, mismatched(range(len(self.kto))), strict=True)]  # fmt: skip
         self._ref: list[float] | None = None  # base log-probs: KTO responses, DPO chosen + rejected, KL pairs
 
@@ -72,19 +72,18 @@ class FeedbackBatch:
         """The item of each of ``samples_slices``' samples, in their order (a DPO pair's item twice)."""
         return self.sft + self.kto + [item for item in self.dpo for _ in range(2)]
 
-    def references_slices(self, model: Llama) -> Generator[None, None, None]:
+    def references_slices(self, trainer: Trainer) -> Generator[None, None, None]:
         """The base model's log-probabilities of every preference response (and of KTO's mismatched pairs)."""
-        pairs = [(i.prompt_ids, i.response_ids) for i in self.kto]
-        pairs += [(i.prompt_ids, r) for i in self.dpo for r in (i.response_ids, i.rejected_ids or [])]
-        self._ref = yield from sequence_logps_slices(model, None, pairs + self.kl_pairs, self.group_size)
+        passes = [LogpPass(i.prompt_ids, i.response_ids, i.record_id) for i in self.kto]
+        passes += [LogpPass(i.prompt_ids, r, i.record_id)
+                   for i in self.dpo for r in (i.response_ids, i.rejected_ids or [])]  # fmt: skip
+        self._ref = yield from sequence_logps_slices(trainer, passes + self.kl_pairs, "reference", self.group_size)
 
-    def samples_slices(
-        self, model: Llama, adapter: LoraAdapter
-    ) -> Generator[None, None, tuple[list[Sample], list[float]]]:
+    def samples_slices(self, trainer: Trainer) -> Generator[None, None, tuple[list[Sample], list[float]]]:
         """The step's samples (SFT, then KTO, then DPO pairs: chosen, rejected) and their loss scales, KTO's z0
-        estimated under ``adapter`` as it is now."""
+        estimated under the trainer's adapter as it is now."""
         if self._ref is None:
-            yield from self.references_slices(model)
+            yield from self.references_slices(trainer)
         assert self._ref is not None
         w, n_kto = self.weights, len(self.kto)
         n_dpo = 2 * len(self.dpo)
@@ -92,7 +91,7 @@ class FeedbackBatch:
         samples = [Sample(i.prompt_ids, i.response_ids, i.record_id) for i in self.sft]
         scales = [w.sft / max(len(self.sft), 1)] * len(self.sft)
         if self.kto:
-            policy_kl = yield from sequence_logps_slices(model, adapter, self.kl_pairs, self.group_size)
+            policy_kl = yield from sequence_logps_slices(trainer, self.kl_pairs, "kl", self.group_size)
             z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl))
             for item, ref in zip(self.kto, ref_kto, strict=True):
                 weight = w.kto * (w.desirable if item.desirable else w.undesirable) / n_kto

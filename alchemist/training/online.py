@@ -249,7 +249,7 @@ class OnlineTrainer:
         anchor_scales = [self.config.anchor_weight / len(anchors)] * len(anchors) if anchors else []
         steps: list[tuple[list[Sample], StepResult]] = []
         for epoch in range(self.config.epochs):
-            samples, scales = yield from feedback.samples_slices(self.model, self.adapter)  # z0 under this adapter
+            samples, scales = yield from feedback.samples_slices(self.trainer)  # z0 under this adapter
             screen = partial(self._screen, batch, feedback, len(samples)) if epoch == 0 else None
             # each sample's record or a recompute -> loss -> backward -> update
             step = yield from self.trainer.step_slices(samples + anchors, scales + anchor_scales, screen)
@@ -269,7 +269,7 @@ class OnlineTrainer:
         """What every step of the batch uses, computed once: the base model's log-probabilities of the preference
         responses, the anchors with their targets, the protected directions; returns the anchors."""
         if feedback.kto or feedback.dpo:
-            yield from feedback.references_slices(self.model)  # the base model's, once for all epochs
+            yield from feedback.references_slices(self.trainer)  # the base model's, once for all epochs
         anchors = yield from self._anchors_slices()
         if self.config.protect_energy and self.trainer.protected is None:
             self.trainer.protected = yield from ProtectedSubspace.load_or_compute_slices(

@@ -40,6 +40,7 @@ class RecordReader:
         depth: int,
         num_live: int = 0,
         walk_rows: int | None = None,
+        walk: bool = True,  # False: the live forward only (a pass without gradient), nothing read for a walk
     ) -> None:
         self.store, self.record_id = store, record.record_id
         # the rows each step of the walk differentiates: this replay's, or those of all the samples walking with it
@@ -56,7 +57,7 @@ class RecordReader:
         self._rot = model.rope(torch.arange(num_rows, device=model.device), model.dtype)
         depth = depth if num_rows else 0  # a one-token prompt replays no prompt row: nothing to read
         self._forward = LayerWindow(self._read_forward, range(num_layers), depth)
-        self._window = LayerWindow(self._read, reversed(range(num_layers)), depth)
+        self._window = LayerWindow(self._read, reversed(range(num_layers)) if walk else (), depth if walk else 0)
         self._walk_start: float | None = None  # when the walk got its previous layer
         self._paused = 0.0  # of the time since, spent paused (not walking)
 

@@ -14,6 +14,9 @@ Built as the layer walk of shared/design/activation-reuse.md, section 6:
    output rows from the layer above. No base matmul runs on the prompt rows and no attention forward; each base
    weight is read once per layer for all n + R rows.
 
+A pass without gradient (a preference objective's reference log-probabilities: ``replay_logps_slices``) is the live
+forward alone, nothing kept for a walk.
+
 Only one layer's prompt rows are worked on at a time: that is where the memory goes down. The live forward reads
 each layer's record through ``record_layers`` and the walk through ``walk_layers`` (the same by default): the
 trainer passes a prefetch window there (``alchemist.training.record_reader``), so that a record offloaded to host
@@ -73,12 +76,8 @@ def replay_backward_slices(
 
     The samples' rows go through every layer together (``Packing``: one matmul per weight for all of them),
     attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding."""
-    pack = Packing([len(s.prompt_ids) - 1 for s in samples], [len(s.response_ids) for s in samples])
-    # a one-token prompt: its live rows are the whole sequence, no record is read
-    forward = [s.record_layers if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
+    pack, forward, live_ids, rot = _layout(model, samples)
     walk = [(s.walk_layers or s.record_layers) if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
-    live_ids = torch.cat([torch.cat([s.prompt_ids[-1:], s.response_ids[:-1]]) for s in samples])
-    rot = model.rope(pack.positions(live_ids.device), model.dtype)
 
     # 1. The live forward, keeping each layer's values for the walk.
     lives, h = yield from live_forward(model, adapter, forward, live_ids, pack, rot)
@@ -99,6 +98,43 @@ def replay_backward_slices(
         if layer:
             yield
     return losses
+
+
+def replay_logps_slices(
+    model: Llama, adapter: LoraAdapter | None, samples: Sequence[ReplaySample]
+) -> Generator[None, None, list[float]]:
+    """log p(response | prompt) of each sample under ``adapter`` (None: the base model), without gradient: the live
+    forward alone over the samples' records (no walk, nothing kept for one), in slices of one layer. It equals the
+    recompute path's value (``recompute.sequence_logps_slices``) up to rounding when the records' layer inputs are
+    that policy's: made under that adapter, or for the base model by the base model (adapter version 0)."""
+    pack, forward, live_ids, rot = _layout(model, samples)
+    policy = _AdapterOff() if adapter is None else adapter
+    _, h = yield from live_forward(model, policy, forward, live_ids, pack, rot, keep=False)  # type: ignore[arg-type]
+    with torch.no_grad():
+        return [sequence_logp(model, pack.live_rows(h, i), s.response_ids).item() for i, s in enumerate(samples)]
+
+
+def _layout(
+    model: Llama, samples: Sequence[ReplaySample]
+) -> tuple[Packing, list[RecordLayers], torch.Tensor, Rotation]:
+    """The samples' rows laid out for a replay: their ``Packing``, the live forward's record of each, the live rows'
+    token ids and the rotation of all rows."""
+    pack = Packing([len(s.prompt_ids) - 1 for s in samples], [len(s.response_ids) for s in samples])
+    # a one-token prompt: its live rows are the whole sequence, no record is read
+    forward = [s.record_layers if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
+    live_ids = torch.cat([torch.cat([s.prompt_ids[-1:], s.response_ids[:-1]]) for s in samples])
+    return pack, forward, live_ids, model.rope(pack.positions(live_ids.device), model.dtype)
+
+
+class _AdapterOff:
+    """The base model, as the live forward reads an adapter (``prompt_kv``, ``Llama.project``): nothing targeted,
+    no delta on any projection."""
+
+    def down(self, layer: int, name: str, x: torch.Tensor) -> None:
+        return None
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> None:
+        return None
 
 
 def _top_backward_slices(
@@ -140,10 +176,11 @@ def live_forward(
     live_ids: torch.Tensor,
     pack: Packing,
     rot: Rotation,
+    keep: bool = True,
 ) -> Generator[None, None, tuple[list[LiveLayer], torch.Tensor]]:
     """The live rows of each sample (its positions n .. n+R-1) through every layer, attending to its prompt's n
-    recorded rows, in slices of one layer; returns each layer's ``LiveLayer`` and the final hidden states (R, d)
-    of all live rows."""
+    recorded rows, in slices of one layer; returns each layer's ``LiveLayer`` (none unless ``keep``: a pass without
+    a walk) and the final hidden states (R, d) of all live rows."""
     c = model.config
     n = pack.num_prompt
     rot_prompt, rot_live = rot.rows(0, n), rot.rows(n)
@@ -163,7 +200,8 @@ def live_forward(
         gate_up = model.project(layer, "gate_up", rms_norm(h_mid, model.layers[layer].post_norm, c.rms_norm_eps),
                                 COMPUTE, adapter)  # fmt: skip
         gate, up = gate_up.chunk(2, dim=-1)
-        lives.append(LiveLayer(h, q, ks, vs, out.flatten(-2), lse, h_mid, gate_up))
+        if keep:
+            lives.append(LiveLayer(h, q, ks, vs, out.flatten(-2), lse, h_mid, gate_up))
         h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
         if layer < c.num_layers - 1:
             yield

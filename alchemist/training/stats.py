@@ -20,6 +20,11 @@ class TrainingStats:
     anchor_samples: int = 0  # anchor passes
     anchor_tokens: int = 0
     anchor_replayed: int = 0
+    # --- passes without gradient (FeedbackBatch: alchemist.training.logp_passes), replayed from a record or not
+    reference_replayed: int = 0  # the base model's log-probabilities (KTO, DPO), from records the base model made
+    reference_recomputed: int = 0
+    kl_replayed: int = 0  # KTO's reference point: the adapter's log-probabilities of the mismatched pairs
+    kl_recomputed: int = 0
     # --- records (Trainer): why a pass was recomputed, and what a replay read
     stale: int = 0  # records found but too old for the current adapter (recomputed)
     missing: int = 0  # no record, or one that does not cover the prompt (recomputed)
@@ -43,6 +48,11 @@ class TrainingStats:
     def staleness_sum(self) -> int:
         """Adapter versions behind, summed over replayed records."""
         return sum(lag * count for lag, count in self.staleness_used.items())
+
+    def count_logp_pass(self, kind: str, replayed: bool) -> None:
+        """A pass without gradient of ``kind`` ("reference" or "kl")."""
+        name = f"{kind}_{'replayed' if replayed else 'recomputed'}"
+        setattr(self, name, getattr(self, name) + 1)
 
     def count_pass(self, response_tokens: int, replayed: bool, anchor: bool) -> None:
         if anchor:

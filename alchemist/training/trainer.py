@@ -7,7 +7,9 @@ mini-batch, after its steps and the evaluation gate). Samples go through the mod
 ``group_max_tokens`` rows at most): a group's replayable samples in one walk, its others in one recompute forward.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
-while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed.
+while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed. A pass of
+the base model without gradient (``alchemist.training.logp_passes``) may use only a record the base model made
+(version 0): ``pinned_record``.
 """
 
 from __future__ import annotations
@@ -242,16 +244,27 @@ class Trainer:
 
     def usable_record(self, sample: Sample) -> Record | None:
         """The sample's record, pinned, if it covers the prompt and is fresh enough; else None (counted)."""
-        if not self.config.replay or self.store is None or sample.record_id is None:
-            return None
-        record = self.store.lookup(sample.record_id)
-        if record is None or not record.covers(sample.prompt_ids, len(sample.prompt_ids) - 1):
-            self.stats.missing += 1
-            return None
-        if self.adapter.version > record.adapter_version + self.config.max_staleness:
-            self.stats.stale += 1
-            return None
-        return record if self.store.pin(record.record_id) else None
+        found = self.pinned_record(sample.record_id, sample.prompt_ids)
+        self.stats.missing += found == "missing"
+        self.stats.stale += found == "stale"
+        return found if isinstance(found, Record) else None
+
+    def pinned_record(self, record_id: str | None, prompt_ids: list[int], base: bool = False) -> Record | str:
+        """The record, pinned, if it covers the prompt and its layer inputs are close enough to those of the
+        policy of the pass: the adapter's (made at most ``max_staleness`` versions ago), or with ``base`` the base
+        model's (made by it: version 0, exact only); else why not ("off", "missing", "stale", "gone")."""
+        if not self.config.replay or self.store is None or record_id is None:
+            return "off"
+        record = self.store.lookup(record_id)
+        if record is None or not record.covers(prompt_ids, len(prompt_ids) - 1):
+            return "missing"
+        if base:  # version 0 is the base model serving: its layer inputs are the base model's
+            fresh = record.adapter_version == 0
+        else:
+            fresh = self.adapter.version <= record.adapter_version + self.config.max_staleness
+        if not fresh:
+            return "stale"
+        return record if self.store.pin(record.record_id) else "gone"
 
     def update(self) -> None:
         """The accumulated gradients, clipped, become an optimizer step; the adapter's A then loses the protected

@@ -64,7 +64,7 @@ def test_throughput_rows():
         assert r["ratio"] == pytest.approx(r["recompute_s"] / r["replay_s"], rel=0.01)
         assert r["replay_items_s"] == pytest.approx(2 / r["replay_s"], rel=0.01)
     assert by["sft"]["reference_s"] == 0 < by["kto"]["reference_s"]  # SFT needs no reference model
-    assert by["kto"]["kl_s"] > 0
+    assert by["kto"]["kl_s"] > 0 and by["kto"]["kl_recompute_s"] > 0 and by["dpo"]["reference_recompute_s"] > 0
     assert by["sft"]["met"] is None and {by["kto"]["met"], by["dpo"]["met"]} <= {True, False}
 
 

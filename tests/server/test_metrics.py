@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import types
+
 from alchemist.engine import EngineStats
 from alchemist.server.metrics import ServerMetrics
+from alchemist.training.stats import TrainingStats
 
 
 def _stats(**fields) -> EngineStats:
@@ -28,3 +31,14 @@ def test_prefix_cache_counters():
     assert "# TYPE alchemist:prefix_cache_queries_total counter" in text
     assert "alchemist:prefix_cache_queries_total 300.0" in text
     assert "alchemist:prefix_cache_hits_total 192.0" in text
+
+
+def test_preference_passes_without_gradient_by_kind_and_path():
+    metrics = ServerMetrics(lambda: _stats())
+    # what the collector reads of an OnlineTrainer: its counters (a TrainingStats snapshot), anchors and version
+    stats = TrainingStats(reference_replayed=8, reference_recomputed=2, kl_replayed=5, kl_recomputed=1)
+    metrics.watch_training(types.SimpleNamespace(stats=stats, anchors=[], version=3))
+    text = metrics.render().decode()
+    for kind, path, value in (("reference", "replay", 8), ("reference", "recompute", 2), ("kl", "replay", 5),
+                              ("kl", "recompute", 1)):  # fmt: skip
+        assert f'alchemist:training_logp_passes_total{{kind="{kind}",path="{path}"}} {value}.0' in text

@@ -4,7 +4,8 @@ holding our adapter, against ours.
 
 - the loss values of the same batch (the same log-probabilities) equal TRL's within 1e-6 in fp32;
 - our trainer's gradients (``FeedbackBatch`` -> ``Trainer``, recomputed) equal those of TRL's loss through PEFT;
-- replayed from records, a step of SFT + KTO + DPO samples equals the same step recomputed.
+- replayed from records, a step of SFT + KTO + DPO samples equals the same step recomputed, and so does a step whose
+  passes without gradient (the base model's reference, KTO's z0 under the adapter) replay.
 """
 
 from __future__ import annotations
@@ -181,13 +182,17 @@ def weights(**overrides) -> ObjectiveWeights:
     return ObjectiveWeights(**{"desirable": W_DESIRABLE, "undesirable": W_UNDESIRABLE, **overrides})
 
 
-def our_step_grads(case, items, store=None, replay=False, group_size=4):
-    """Our trainer's gradients of one step over ``items`` (not applied), and its samples' (loss, replayed)."""
+def our_step_grads(case, items, store=None, replay=False, group_size=4, max_staleness=4, stats=None):
+    """Our trainer's gradients of one step over ``items`` (not applied), and its samples' (loss, replayed); its
+    counters into ``stats`` (a dict), if given."""
     case.adapter.zero_grad(set_to_none=True)
-    trainer = Trainer(case.model, case.adapter, store, TrainerConfig(replay=replay, group_size=group_size))
+    config = TrainerConfig(replay=replay, group_size=group_size, max_staleness=max_staleness)
+    trainer = Trainer(case.model, case.adapter, store, config)
     batch = FeedbackBatch(items, weights(), group_size)
-    samples, scales = run_to_end(batch.samples_slices(case.model, case.adapter))
+    samples, scales = run_to_end(batch.samples_slices(trainer))
     results = run_to_end(trainer.backward_slices(samples, scales))
+    if stats is not None:
+        stats.update(vars(trainer.stats))
     return {key: g.clone() for key, g in case.adapter.module_tensors(grads=True).items()}, samples, results
 
 
@@ -244,6 +249,37 @@ def test_replay_equals_recompute_for_sft_kto_and_dpo_together(case, group_size):
     recomputed, _, expected = our_step_grads(case, items, store, replay=False, group_size=group_size)
     replayed, samples, results = our_step_grads(case, items, store, replay=True, group_size=group_size)
     assert [r for _, r in results] == [True] * len(samples) == [True] * 7
+    assert [loss for loss, _ in results] == pytest.approx([loss for loss, _ in expected], rel=1e-5, abs=1e-6)
+    ours, theirs = flat(replayed), flat(recomputed)
+    assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-5
+    assert all(store.evict(f"r{i}") for i in range(len(PROMPTS)))  # nothing left pinned
+
+
+@pytest.mark.parametrize("made_by", ["base", "adapter"])
+def test_replayed_reference_and_z0_equal_recomputed(case, made_by):
+    """A step of KTO and DPO (and SFT) samples whose passes without gradient replay from fp32 records equals it all
+    recomputed: the base model's log-probabilities from records the base model made (version 0; the adapter at
+    version 3 then recomputes its passes: max_staleness 0), KTO's z0 and the gradient passes from records the
+    adapter made (the reference pass then recomputed)."""
+    assert case.adapter.version == 3  # the fixture's three steps
+    store = ActivationStore(budget_bytes=1 << 30)
+    for i, prompt in enumerate(PROMPTS):
+        policy, version = (None, 0) if made_by == "base" else (case.adapter, 3)
+        record = record_alone(case.model, policy, torch.tensor(prompt), version=version)
+        store.put(dataclasses.replace(record, record_id=f"r{i}"))
+    items = mixed_items([f"r{i}" for i in range(len(PROMPTS))])
+    recomputed, expected_samples, expected = our_step_grads(case, items)
+    stats: dict = {}
+    replayed, samples, results = our_step_grads(case, items, store, replay=True, max_staleness=0, stats=stats)
+    # what replayed: 8 reference passes (2 KTO responses, 2 x 2 DPO, 2 mismatched pairs), 2 z0 passes, 7 samples
+    base = made_by == "base"
+    assert (stats["reference_replayed"], stats["reference_recomputed"]) == ((8, 0) if base else (0, 8))
+    assert (stats["kl_replayed"], stats["kl_recomputed"]) == ((0, 2) if base else (2, 0))
+    assert (stats["replayed"], stats["recomputed"]) == ((0, 7) if base else (7, 0))
+    terms = [(s.term.ref_logp, s.term.kl) for s in samples if s.term is not None]
+    expected_terms = [(s.term.ref_logp, s.term.kl) for s in expected_samples if s.term is not None]
+    assert terms == [pytest.approx(t, rel=1e-5, abs=1e-6) for t in expected_terms]
+    assert samples[1].term.kl > 0  # z0 is not clamped away: its value counts
     assert [loss for loss, _ in results] == pytest.approx([loss for loss, _ in expected], rel=1e-5, abs=1e-6)
     ours, theirs = flat(replayed), flat(recomputed)
     assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-5
