@@ -9,6 +9,7 @@ PAGES_PER_BUFFER = (64 << 20) // 4096  # 64 MiB buffers: above glibc's largest a
 
 FAULTS_OF_FRESH_BUFFERS = """
 import resource, sys, torch
+import alchemist.engine  # noqa: F401  what a server process holds before it serves (torch's kernels set up)
 from alchemist.host_memory import keep_freed_memory
 
 def faults_of_five_buffers():
