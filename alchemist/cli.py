@@ -105,6 +105,7 @@ def _serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own = argv is None
     argv, serve_argv = _serve_flags(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     if hasattr(args, "serve_base"):
@@ -116,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # Imported after parsing: the engine package brings torch and transformers (~4 s), which --help and argument
     # errors never need.
-    from alchemist.host_memory import keep_freed_memory
+    from alchemist.host_memory import keep_freed_memory, use_allocator
 
-    keep_freed_memory()  # this process owns the allocator: reuse freed buffers (host_memory.py)
     try:
+        if args.func is _serve and own:  # the process's own command line: it may be run again in place
+            use_allocator(args.serve.server.allocator)
+        keep_freed_memory()  # this process owns the allocator: reuse freed buffers (host_memory.py)
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"alchemist: error: {e}", file=sys.stderr)

@@ -203,7 +203,8 @@ BAD_FLAGS = [
 BAD_TYPES = [
     ["--dtype", "float16"], ["--device", "tpu"], ["--record-policy", "x"], ["--record-dtype", "float16"],
     ["--record-evict-priority", "fifo"], ["--train-thumbs-up", "x"], ["--metrics-access", "x"],
-    ["--docs-access", "x"], ["--compile-decode", "yes"], ["--max-num-seqs", "2.5"], ["--train-lr", "fast"],
+    ["--docs-access", "x"], ["--allocator", "tcmalloc"], ["--compile-decode", "yes"],
+    ["--max-num-seqs", "2.5"], ["--train-lr", "fast"],
 ]  # fmt: skip
 
 

@@ -54,6 +54,9 @@ class ServerConfig:
     )
     feedback_db: Annotated[str | None, flag("feedback-db", "the feedback log's SQLite file (None: "
                                             "DATA_DIR/feedback.sqlite)")] = None  # fmt: skip
+    allocator: Annotated[Literal["auto", "jemalloc", "libc"], flag("allocator", "the process's memory allocator "
+                         "(auto: jemalloc where installed, which keeps resident memory flat while training under "
+                         "load; else the C library's)")] = "auto"  # fmt: skip
     # API keys (alchemist.server.auth). Without any the server is open to whoever reaches it, so it binds a loopback
     # address only, unless told otherwise.
     api_key: Annotated[str | None, flag("api-key", "one admin key (default: $ALCHEMIST_API_KEY)")] = None
@@ -92,6 +95,7 @@ class ServerConfig:
         _non_empty(self, "feedback_db", none_means="<data_dir>/feedback.sqlite")
         check_non_negative(self, "requests_per_minute", "feedback_per_minute", "record_mb_per_hour")
         check_non_negative(self, "max_streams_per_key", integer=True)
+        check_choice(self, "allocator", choices_of(ServerConfig, "allocator"))
         check_choice(self, "metrics_access", ACCESS_CHOICES)
         check_choice(self, "docs_access", ACCESS_CHOICES)
         if self.api_key is not None:

@@ -28,6 +28,7 @@ from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.feedback.log import FeedbackLog
+from alchemist.host_memory import allocator_in_use
 from alchemist.model.loader import load_model
 from alchemist.server.adapters import AdapterService
 from alchemist.server.async_engine import AsyncEngine
@@ -328,6 +329,7 @@ def run_server(
     async_engine: AsyncEngine = app.state.async_engine
     print(app_urls(server_config), flush=True)
     print(f"alchemist: {async_engine.engine.runner.describe_decode()}", flush=True)
+    print(f"alchemist: memory allocator: {allocator_in_use()}", flush=True)
     http = threading.Thread(target=serve_http, name="uvicorn")
     http.start()
     try:

@@ -1,7 +1,8 @@
 """Profile (not a benchmark): what recording a prompt in bf16 adds to its prefill, with glibc's default memory
-thresholds and with the CLI's (``alchemist.host_memory``), and the page faults each takes.
+thresholds, with the CLI's (``alchemist.host_memory``) and with jemalloc where installed (the server's allocator),
+and the page faults each takes.
 
-    python docs/profiles/recording_overhead.py 1024 2 [bfloat16]     # prompt tokens, threads, model dtype
+    python docs/profiles/recording_overhead.py 1024 2 [bfloat16 [ALLOCATOR ...]]   # prompt tokens, threads, dtype
 
 Each setting runs in a fresh process (the thresholds are process-wide): ``bench train``'s prefill step functions
 (SmolLM2, fp32 model unless a dtype is given, LoRA on, records in bf16), one warm-up each, then 7 interleaved
@@ -10,8 +11,11 @@ time spent in copies (torch.profiler, one call).
 """
 
 import json
+import os
 import subprocess
 import sys
+
+import ctypes.util
 
 CHILD = r"""
 import json, resource, statistics, sys, time
@@ -51,11 +55,16 @@ print(json.dumps({"setting": setting, **{n + "_s": round(v, 4) for n, v in med.i
 if __name__ == "__main__":
     num_prompt, threads = int(sys.argv[1]), int(sys.argv[2])
     dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
-    for setting in ("default", "kept"):
+    libs = {"jemalloc": ctypes.util.find_library("jemalloc"), "tcmalloc": ctypes.util.find_library("tcmalloc_minimal")}
+    preload = {name: {"LD_PRELOAD": lib, "MALLOC_CONF": ""} for name, lib in libs.items() if lib}
+    preload = {name: env for name, env in preload.items() if name in sys.argv[4:] or not sys.argv[4:]}
+    for setting in ("default", "kept", *preload):
+        env = os.environ | preload.get(setting, {})
         done = subprocess.run(
             [sys.executable, "-c", CHILD, setting, str(num_prompt), str(threads), dtype],
             capture_output=True,
             text=True,
             check=True,
+            env=env,
         )
         print(json.loads(done.stdout.strip().splitlines()[-1]))
