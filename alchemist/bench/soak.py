@@ -9,14 +9,16 @@ other (the official ``openai`` client, streaming, greedy, ``--max-tokens`` asked
 gives feedback on the answer: every ``--correct-every``-th answer a correction (the reference reply, cut to
 ``--max-tokens``), the others a thumbs up or down (alternating).
 
-Reported per run: requests and feedback sent, errors by status (non-2xx answers; ``429`` also counted on its own)
-and by exception for the rest, the server process's resident memory (VmRSS of /proc/PID/status) sampled every
-``--sample-interval-s``: after warm-up (the first sample past ``--warmup-s`` at which the trainer's adapter version,
-its optimizer steps, has reached ``--warmup-version``: one-time work such as the first batches' is then done), at
-the end, its peak, its growth from warm-up to the end (``rss_growth_mb``, the soak test's measure) and its slope
-over the second half of the run, also less the activation store's memory tiers (on a CPU they are process memory,
-up to ``--record-budget-mb`` + ``--record-host-budget-mb``: cap them with ``--serve-arg`` to see the rest); the
-feedback backlog (``alchemist.bench.backlog``). Then the series themselves, one row per sample (``rss_of``,
+Reported per run: the server's memory allocator (alchemist/host_memory.py), requests and feedback sent, errors by
+status (non-2xx answers; ``429`` also counted on its own) and by exception for the rest, the server process's
+resident memory (VmRSS of /proc/PID/status) sampled every ``--sample-interval-s``: after warm-up (the first sample
+past ``--warmup-s`` at which the trainer's adapter version, its optimizer steps, has reached ``--warmup-version``:
+one-time work such as the first batches' is then done), at the end, its peak, its growth from warm-up to the peak
+(``rss_growth_mb``), its settled growth (the median of the last quarter of the samples after warm-up less the first
+quarter's: ``rss_settled_growth_mb``, the soak test's measure, which a training batch's swings do not move much) and
+its slope over the second half of the run, also less the activation store's memory tiers (on a CPU they are process
+memory, up to ``--record-budget-mb`` + ``--record-host-budget-mb``: cap them with ``--serve-arg`` to see the rest);
+the feedback backlog (``alchemist.bench.backlog``). Then the series themselves, one row per sample (``rss_of``,
 ``backlog_of``: the run), and the evaluation gate's cost per adapter version (GET /v1/adapters: each version's
 ``metrics.evaluation.seconds`` and its share of the version's ``metrics.train_s``, which includes it).
 """
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -113,9 +116,10 @@ def _round(mb: float | None) -> float | None:
 
 def rss_summary(samples: list[dict], warmup_s: float, warmup_version: int = 0) -> dict:
     """RSS after warm-up (the first sample past ``warmup_s`` whose adapter version is at least ``warmup_version``;
-    None if the run never got there), at the end, its peak; its growth from warm-up to the end and to the peak, of
-    RSS and of RSS less the store's bytes; the slope (MB/min) of a least-squares line over the second half of the
-    run after warm-up."""
+    None if the run never got there), at the end, its peak; its growth from warm-up to the peak, of RSS and of RSS
+    less the store's bytes; its settled growth, the median of the last quarter of the samples after warm-up less
+    that of the first quarter (None below 8 samples); the slope (MB/min) of a least-squares line over the second
+    half of the run after warm-up."""
     after = [s for s in samples if s["t_s"] >= warmup_s and (s.get("adapter_version") or 0) >= warmup_version]
     half = [s for s in after if s["t_s"] >= (after[0]["t_s"] + after[-1]["t_s"]) / 2] if after else []
 
@@ -129,6 +133,13 @@ def rss_summary(samples: list[dict], warmup_s: float, warmup_version: int = 0) -
         values = [s[key] for s in after if s[key] is not None]
         return round(max(values) - values[0], 1) if values else None
 
+    def settled_growth() -> float | None:
+        quarter = len(after) // 4
+        if quarter < 2:
+            return None
+        first, last = (float(np.median([s["rss_mb"] for s in part])) for part in (after[:quarter], after[-quarter:]))
+        return round(last - first, 1)
+
     return {
         "warm_s": after[0]["t_s"] if after else None,
         "rss_warm_mb": after[0]["rss_mb"] if after else None,
@@ -137,6 +148,7 @@ def rss_summary(samples: list[dict], warmup_s: float, warmup_version: int = 0) -
         "store_end_mb": samples[-1]["store_mb"],
         "rss_growth_mb": growth("rss_mb"),  # the peak after warm-up less the warm value
         "rss_less_store_growth_mb": growth("rss_less_store_mb"),
+        "rss_settled_growth_mb": settled_growth(),  # the soak test's measure: robust to a batch's swings
         "rss_slope_mb_min": slope("rss_mb"),
         "rss_less_store_slope_mb_min": slope("rss_less_store_mb"),
     }
@@ -268,13 +280,15 @@ def soak_run(args: argparse.Namespace, run: str, samples: list) -> tuple[dict, l
         stop_process(process)
     shutil.rmtree(workdir / "data", ignore_errors=True)  # the log stays, for a look afterwards
     print(f"# {run}: server log {workdir / 'server.log'}", file=sys.stderr)
+    allocator = re.search(r"memory allocator: (\w+)", (workdir / "server.log").read_text(errors="replace"))
     queued = [s["queued"] for s in backlog_samples if "queued" in s]
     row = {
-        "run": run, "clients": args.clients, "minutes": args.minutes, "requests": tally.requests,
+        "run": run, "allocator": allocator and allocator.group(1), "clients": args.clients, "minutes": args.minutes,
+        "requests": tally.requests,
         "req_s": round(tally.requests / (args.minutes * 60), 2), "feedback": tally.feedback,
         "corrections": tally.corrections, "errors": sum(tally.errors.values()), "errors_429": tally.errors["429"],
         "errors_by": ",".join(f"{k}:{v}" for k, v in sorted(tally.errors.items())) or None,
-        **rss_summary(rss_samples, args.warmup_s, args.warmup_version),
+        **rss_summary(rss_samples, args.warmup_s, args.warmup_version if run == "on" else 0),  # off: version 0
         "backlog_max": max(queued, default=None), "backlog_end": queued[-1] if queued else None,
         "versions": len(gates), "evaluation_s": round(sum(g["evaluation_s"] for g in gates), 1),
         "evaluation_share": round(sum(g["evaluation_s"] for g in gates) / sum(g["train_s"] for g in gates), 3)

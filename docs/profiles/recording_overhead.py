@@ -10,12 +10,11 @@ timings; prints medians, the overhead, minor page faults per call, and the share
 time spent in copies (torch.profiler, one call).
 """
 
+import ctypes.util
 import json
 import os
 import subprocess
 import sys
-
-import ctypes.util
 
 CHILD = r"""
 import json, resource, statistics, sys, time
