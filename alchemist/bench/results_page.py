@@ -141,16 +141,18 @@ def learn_block(meta: dict, folder: Path) -> str:
 
 def soak_block(meta: dict, folder: Path) -> str:
     """Per invocation (``meta["files"]``: label -> rows) and run: the load, the errors, resident memory after
-    warm-up, the backlog; then the evaluation gate's cost per version."""
-    header = ["invocation", "run", "allocator", "requests", "errors / 429", "versions", "RSS MB: warm (at s)",
+    warm-up, the backlog; then the evaluation gate's cost per version (of those GET /v1/adapters still lists)."""
+    header = ["invocation", "run", "allocator", "requests", "errors / 429", "trainer's versions", "RSS MB: warm (at s)",
               "end", "peak", "settled growth", "slope MB/min", "backlog max / end"]  # fmt: skip
     body, gates = [], []
     for label, file in meta["files"].items():
         rows = read_rows(folder / file)
         for r in (r for r in rows if "run" in r):
             warm = "-" if r["warm_s"] is None else f"{f1(r['rss_warm_mb'])} ({r['warm_s']:.0f})"
+            # the adapter version the trainer reached (GET /v1/adapters lists only the latest few: the gate rows)
+            versions = max((s["adapter_version"] or 0 for s in rows if s.get("rss_of") == r["run"]), default=0)
             body.append([label, r["run"], r["allocator"], r["requests"], f"{r['errors']} / {r['errors_429']}",
-                         r["versions"], warm, f1(r["rss_end_mb"]), f1(r["rss_max_mb"]),
+                         versions, warm, f1(r["rss_end_mb"]), f1(r["rss_max_mb"]),
                          f1(r["rss_settled_growth_mb"]), f1(r["rss_slope_mb_min"]),
                          f"{r['backlog_max']} / {r['backlog_end']}"])  # fmt: skip
         gates += [[label, g["version"], "yes" if g["promoted"] else "no", f1(g["evaluation_s"]), f1(g["train_s"]),

@@ -20,14 +20,23 @@ CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json"]
 QUICK = ("--set", "epochs=1", "--set", "protect_energy=0")
 
 
-def run(*flags: str) -> list[dict]:
-    done = subprocess.run([*CMD, *flags], capture_output=True, text=True, timeout=600)
+# All three parts in one process (one start-up, one computation of the gate's base values), each part's own flags.
+PARTS = ("--parts", "teach", "forgetting", "throughput", "--others", "2")
+TEACH = ("--teach-facts", "2", "--rounds", "1", "--unrelated", "2")
+FORGETTING = ("--facts", "1", "--others-per-fact", "0")
+THROUGHPUT = ("--throughput-items", "2", "--max-prompt-tokens", "96", "--max-response-tokens", "8", "--repeats", "1")
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    done = subprocess.run([*CMD, *PARTS, *TEACH, *FORGETTING, *THROUGHPUT, *QUICK], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def test_teach_rows():
-    rows = run("--parts", "teach", "--teach-facts", "2", "--rounds", "1", "--others", "2", "--unrelated", "2", *QUICK)
+def test_teach_rows(rows):
+    assert {r["part"] for r in rows} == {"teach", "teach_end", "forgetting", "throughput"}
     teach = [r for r in rows if r["part"] == "teach"]
     assert [r["round"] for r in teach] == [0, 1]
     assert teach[0]["known"] == 0 and teach[0]["of"] == 2  # it could not know them
@@ -39,12 +48,10 @@ def test_teach_rows():
     assert math.isfinite(end["perplexity_rise"]) and end["unrelated"] == 2
     assert 0 <= end["unchanged_16"] <= 2 and end["unchanged_32"] <= end["unchanged_16"]
     assert {end["goal_known_by_2"], end["goal_rise"], end["goal_unchanged"]} <= {True, False}
-    assert {r["part"] for r in rows} == {"teach", "teach_end"}
 
 
-def test_forgetting_rows():
-    rows = run("--parts", "forgetting", "--facts", "1", "--others", "2", "--others-per-fact", "0", *QUICK)
-    (forgetting,) = rows
+def test_forgetting_rows(rows):
+    (forgetting,) = [r for r in rows if r["part"] == "forgetting"]
     assert forgetting["part"] == "forgetting"
     assert forgetting["taught"] == forgetting["of"] == 1 and 1 <= forgetting["corrections"] <= 2
     assert forgetting["taught_known"] == forgetting["first_ten_known"] <= 1  # one fact: both are it
@@ -52,9 +59,8 @@ def test_forgetting_rows():
     assert forgetting["batches"] == forgetting["promoted"] + forgetting["blocked"] >= 1
 
 
-def test_throughput_rows():
-    rows = run("--parts", "throughput", "--throughput-items", "2", "--max-prompt-tokens", "96",
-               "--max-response-tokens", "8", "--repeats", "1", *QUICK)  # fmt: skip
+def test_throughput_rows(rows):
+    rows = [r for r in rows if r["part"] == "throughput"]
     by = {r["objective"]: r for r in rows}
     assert list(by) == ["sft", "kto", "dpo"] and all(r["part"] == "throughput" for r in rows)
     assert [by[o]["passes"] for o in by] == [2, 2, 4]  # a DPO pair is two passes

@@ -1,9 +1,11 @@
 """The bounded soak (issue 26): `alchemist bench soak` with a real server process at its defaults (jemalloc where
 installed, training on; the store capped, training given half the time in batches of 8 so that it trains all
-along), 16 streaming clients with feedback on every answer for 2.5 minutes. No errors; resident memory flat after
-warm-up: the median of the last quarter of its samples within 250 MB (~9%) of the first quarter's, warm-up ending
-when the trainer has taken two optimizer steps (a batch's working set swings RSS by ~200 MB either way; glibc's
-allocator grew 300-500 MB in the same time: docs/benchmarks.md, "Soak"). Every row's fields are checked too."""
+along), 16 streaming clients with feedback on every answer for 2 minutes. No errors; resident memory flat after
+warm-up: the median of the last quarter of its samples within 300 MB (~11%) of the first quarter's, warm-up ending
+when the trainer has taken two optimizer steps (a batch's working set swings RSS by ~200 MB either way; in five
+minutes' runs jemalloc settled within 205 MB, glibc's allocator grew 386-520 MB and kept growing: docs/benchmarks.md,
+"Soak"; which allocator stays flat under a fragmenting load is tests/test_host_memory.py's). Every row's fields are
+checked too."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import subprocess
 import sys
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "soak", "--json", "--runs", "on", "--clients", "16"]
-CMD += ["--minutes", "2.5", "--max-tokens", "16", "--sample-interval-s", "3", "--warmup-s", "45"]
+CMD += ["--minutes", "2", "--max-tokens", "16", "--sample-interval-s", "3", "--warmup-s", "45"]
 CMD += ["--warmup-version", "2", "--serve-arg=--record-budget-mb=256", "--serve-arg=--record-host-budget-mb=0"]
 CMD += ["--serve-arg=--train-epochs=1", "--serve-arg=--train-batch-size=8", "--serve-arg=--train-share=0.5"]
-MARGIN_MB = 250
+MARGIN_MB = 300
 
 
 def test_bench_soak_bounded():
@@ -34,9 +36,9 @@ def test_bench_soak_bounded():
     assert abs(r["rss_settled_growth_mb"]) < MARGIN_MB, r
     assert r["backlog_max"] >= 1 and r["versions"] >= 2
     rss = [s for s in rows if s.get("rss_of") == "on"]
-    assert len(rss) >= 40 and all(s["rss_mb"] > 200 and s["anon_mb"] > 0 for s in rss)
+    assert len(rss) >= 30 and all(s["rss_mb"] > 200 and s["anon_mb"] > 0 for s in rss)
     assert any(s["store_mb"] for s in rss)  # the prompts asked to be recorded: the store holds some
     assert all(s["adapter_version"] is not None for s in rss if s["store_mb"] is not None)
-    assert len([s for s in rows if s.get("backlog_of") == "on"]) >= 40
+    assert len([s for s in rows if s.get("backlog_of") == "on"]) >= 30
     gates = [g for g in rows if "gate_of" in g]
     assert len(gates) == r["versions"] and all(0 < g["evaluation_s"] <= g["train_s"] for g in gates)
