@@ -9,6 +9,7 @@ from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine
 from alchemist.model.loader import build_model
 from tests.engine.helpers import char_tokenizer
+from tests.training.test_replay import lora_with_nonzero_b
 
 
 @pytest.fixture
@@ -17,3 +18,15 @@ def engine(tiny_dirs) -> LLMEngine:
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
     config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
     return LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    """A tiny random model (GQA, untied embeddings) in fp32, for replay tests."""
+    return build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+
+
+@pytest.fixture(scope="module")
+def adapter(model):
+    """A LoRA adapter on ``model`` whose B is not zero (it changes the outputs)."""
+    return lora_with_nonzero_b(model)

@@ -29,16 +29,6 @@ def pairs_of(shapes, seed=3):
     return [(torch.randint(0, 256, (p,), generator=g), torch.randint(0, 256, (r,), generator=g)) for p, r in shapes]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-
-
-@pytest.fixture(scope="module")
-def adapter(model):
-    return lora_with_nonzero_b(model)
-
-
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
 @pytest.mark.parametrize("policy", ["adapter", "base"])
 @pytest.mark.parametrize("prefill", ["alone", "batched_chunked"])

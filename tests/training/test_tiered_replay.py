@@ -11,21 +11,9 @@ import torch
 
 from alchemist.activations import disk
 from alchemist.activations.store import ActivationStore
-from alchemist.model.loader import build_model
 from alchemist.training.hedge import CostModel
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.training.recording import record_alone
-from tests.training.test_replay import lora_with_nonzero_b
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-
-
-@pytest.fixture(scope="module")
-def adapter(model):
-    return lora_with_nonzero_b(model)
 
 
 @pytest.fixture(scope="module")
