@@ -47,7 +47,7 @@ def queued(server: ServerProcess) -> dict:
 
 def test_a_burst_ends_trained_or_skipped_with_reasons(tmp_path):
     data = tmp_path / "data"
-    server = launch_server("burst", tmp_path, data, FLAGS)
+    server = launch_server("burst", tmp_path, data, FLAGS, dtype="auto")  # the default dtype: bf16 where fast
     try:
         wait_ready(server)
         with ThreadPoolExecutor(8) as pool:

@@ -183,7 +183,8 @@ def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
         *("--keep-adapter-versions", "100"),
     ]
     data = tmp_path / "data"
-    server = launch_server("crash", tmp_path, data, flags)
+    # The default dtype (bf16 where the CPU runs it fast), as users run it; it trains in half fp32's time here.
+    server = launch_server("crash", tmp_path, data, flags, dtype="auto")
     wait_ready(server)
     questions = [q for q, _, _ in FACTS[:6]]
     with ThreadPoolExecutor(len(questions)) as pool:
@@ -206,12 +207,12 @@ def test_sigkill_mid_training_loses_nothing_and_trains_once(tmp_path: Path):
     latest = checkpoints.latest()
     assert latest is not None and latest.log_position < seqs[-1]
     # Restarted without training: it serves exactly the last checkpointed version.
-    server = launch_server("crash-restart", tmp_path, data, [*flags, "--no-train"])
+    server = launch_server("crash-restart", tmp_path, data, [*flags, "--no-train"], dtype="auto")
     wait_ready(server)
     assert adapters(server)["serving_version"] == latest.version
     stop(server)
     # Restarted with training: it trains the rest, and nothing twice.
-    server = launch_server("crash-resume", tmp_path, data, flags)
+    server = launch_server("crash-resume", tmp_path, data, flags, dtype="auto")
     try:
         wait_ready(server)
         wait_trained_through(server, seqs[-1])
