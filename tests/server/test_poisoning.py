@@ -31,8 +31,8 @@ SENSIBLE = [
 def trained(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("poisoning")
     keys = write_keys(root / "keys.toml")
-    server = launch_server("poisoning", root, root / "data", [*FLAGS, "--api-keys-file", str(root / "keys.toml")],
-                           dtype="auto")  # the default dtype: bf16 where fast
+    flags = [*FLAGS, "--api-keys-file", str(root / "keys.toml")]
+    server = launch_server("poisoning", root, root / "data", flags, dtype="auto")  # the default dtype: bf16 where fast
     server.api_key = keys["ops"]
     try:
         wait_ready(server)
