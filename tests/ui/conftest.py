@@ -31,7 +31,7 @@ localStorage.setItem("alchemist.settings", JSON.stringify({{...stored, maxTokens
 @pytest.fixture(scope="module")
 def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log_dir = tmp_path_factory.mktemp("web-server")
-    server = launch_server("web", log_dir, log_dir / "data", FLAGS)
+    server = launch_server("web", log_dir, log_dir / "data", FLAGS, dtype="auto")  # the default dtype: bf16 where fast
     try:
         wait_ready(server)
         yield server
