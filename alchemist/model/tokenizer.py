@@ -100,6 +100,13 @@ class Tokenizer:
         # No clean-up: it deletes spaces before punctuation, which streaming cannot reproduce token by token.
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
+    def user_prompt(self, text: str) -> list[int]:
+        """A user turn asking ``text`` as the server prompts it; the plain text for a tokenizer without a chat
+        template (tiny test models)."""
+        if not self.hf.chat_template:
+            return self.encode(text)
+        return self.apply_chat_template([{"role": "user", "content": text}])
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` (OpenAI-style ``{"role", "content"}`` dicts) in the model's chat format."""
         validate_messages(messages)

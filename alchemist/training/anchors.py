@@ -18,6 +18,11 @@ off (as PEFT's ``disable_adapter`` gives TRL its reference).
   median position of held-out ShareGPT replies, 0.89 on average (``docs/profiles/top_k_mass.py``).
 - ``AnchorPool``: the most recent served completions (bounded), fed by the server as responses finish; a prompt
   someone gave feedback on is excluded for good (its anchor would pull against the correction).
+- ``known_fact_anchors``: well-known facts asked and answered (``known_facts.json``: capitals, authors, inventors,
+  years, rivers; none of them one of the evaluation gate's canaries), a few of them beside the served anchors in
+  every step. Served chat rarely asks what a correction's template resembles, and a fact taught in one ("The
+  capital of Durnholt is Saltreach.") moved the model's answers to real ones ("What is the capital of Spain?"): the
+  gate blocked every version after a few more facts (docs/benchmarks.md, "Learning with the defaults").
 
 An anchor is trained like any sample: replayed from its prompt's record when there is a fresh one, recomputed
 otherwise; only its loss differs (``alchemist.training.losses``).
@@ -25,14 +30,17 @@ otherwise; only its loss differs (``alchemist.training.losses``).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from alchemist.model.llama import Llama
+from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.losses import Targets, log_probs
 from alchemist.training.recompute import responses_hidden_slices
 
@@ -65,6 +73,17 @@ class Anchor:
     prompt_ids: list[int]
     response_ids: list[int]
     targets: Targets | None = None  # computed by the trainer the first time the anchor is used
+
+
+KNOWN_FACTS_FILE = Path(__file__).with_name("known_facts.json")
+
+
+def known_fact_anchors(tokenizer: Tokenizer) -> list[Anchor]:
+    """Each known fact of ``known_facts.json`` as an anchor: its question as a user asks it, its answer as a reply
+    (no record: trained by recompute, a short prompt)."""
+    facts = json.loads(KNOWN_FACTS_FILE.read_text())
+    return [Anchor(f"known-fact-{i}", tokenizer.user_prompt(f["user"]), tokenizer.encode_reply(f["assistant"]))
+            for i, f in enumerate(facts)]  # fmt: skip
 
 
 def _prompt_key(prompt_ids: list[int]) -> int:

@@ -53,7 +53,7 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.model.tokenizer import Tokenizer
-from alchemist.training.anchors import AnchorPool, references_slices
+from alchemist.training.anchors import Anchor, AnchorPool, known_fact_anchors, references_slices
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.evaluation import Evaluation, EvaluationGate, GateBounds, Pair
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
@@ -90,6 +90,8 @@ class OnlineTrainer:
         self.adapter = LoraAdapter(model.config, lora, device=model.device, seed=config.seed)
         self.trainer = Trainer(model, self.adapter, store, config.trainer)
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
+        self.known_facts = known_fact_anchors(tokenizer) if config.anchor_known_facts else []
+        self._known_next = 0  # the next known fact to anchor on (they are taken in turn, batch by batch)
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
             dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
@@ -376,13 +378,13 @@ class OnlineTrainer:
                                     if s.term is None)  # fmt: skip
 
     def _anchors_slices(self) -> Generator[None, None, list[Sample]]:
-        """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``),
-        each with the base model's top-k distribution there (computed once per anchor, ``group_size`` anchors per
-        forward, a slice per layer)."""
+        """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``)
+        and the next known facts, each with the base model's top-k distribution there (computed once per anchor,
+        ``group_size`` anchors per forward, a slice per layer)."""
         if not self.config.anchor_weight:
             return []
         c = self.config
-        recent = self.anchors.recent(c.anchor_samples)
+        recent = self.anchors.recent(c.anchor_samples) + self._next_known_facts()
         anchors = [(anchor, anchor.response_ids[: c.anchor_max_tokens]) for anchor in recent]
         new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
         for start in range(0, len(new), c.trainer.group_size):
@@ -393,6 +395,12 @@ class OnlineTrainer:
                 anchor.targets = anchor_targets
             yield
         return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
+
+    def _next_known_facts(self) -> list[Anchor]:
+        """The batch's ``anchor_known_facts`` known facts: the next ones of the list, in turn."""
+        count = min(self.config.anchor_known_facts, len(self.known_facts))
+        start, self._known_next = self._known_next, (self._known_next + count) % max(len(self.known_facts), 1)
+        return [self.known_facts[(start + i) % len(self.known_facts)] for i in range(count)]
 
     # --- rollback ----------------------------------------------------------------------------------------------
 

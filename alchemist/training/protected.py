@@ -85,7 +85,7 @@ class ProtectedSubspace:
         if not 0.0 < energy < 1.0:
             raise ValueError(f"energy must be in (0, 1) (got {energy!r})")
         chats = chats if chats is not None else json.loads(ORDINARY_FILE.read_text())
-        pairs = [(torch.tensor(_prompt(tokenizer, c["user"]), device=model.device),
+        pairs = [(torch.tensor(tokenizer.user_prompt(c["user"]), device=model.device),
                   torch.tensor(tokenizer.encode_reply(c["assistant"]), device=model.device))
                  for c in chats]  # fmt: skip
         moments = _Moments(set(adapter.A.keys()))
@@ -157,14 +157,6 @@ class ProtectedSubspace:
                 a.copy_(inside)
             else:
                 a.sub_(inside)
-
-
-def _prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A user turn as the server prompts it; plain text for a tokenizer without a chat template (tiny test models)."""
-    try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    except ValueError:
-        return tokenizer.encode(text)
 
 
 def _cache_key(model: Llama, adapter: LoraAdapter, energy: float, chats: bytes) -> str:

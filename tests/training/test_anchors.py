@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from alchemist.engine import SamplingParams
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, references_slices
+from alchemist.training.anchors import Anchor, AnchorPool, known_fact_anchors, references_slices
+from alchemist.training.evaluation import CANARIES
 from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import ReplaySample, replay_backward_slices
@@ -177,3 +178,26 @@ def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):
     drain(trainer)
     assert trainer.stats.anchor_samples == 2 and trainer.stats.anchor_tokens == 3 + 2
     assert [a.targets.ids.shape[0] for a in trainer.anchors.recent(2)] == [2, 3]  # targets for what is trained
+
+
+def test_known_facts_anchor_each_step_in_turn(engine, tmp_path):
+    """Beside the served anchors, each batch anchors on the next ``anchor_known_facts`` well-known facts (trained by
+    recompute: they have no record), taking the list in turn and starting over at its end."""
+    trainer, log, _ = online(engine, tmp_path, anchor_samples=2, anchor_known_facts=10, epochs=1, batch_size=2)
+    known = trainer.known_facts
+    assert len(known) == 24 and all(a.prompt_ids and a.response_ids for a in known)
+    trainer.anchors.offer(Anchor("a0", [1, 2, 3, 4], [5, 6]))
+    for batch in range(3):  # facts 0-9, 10-19, then 20-23 and 0-5
+        serve_and_log(engine, log, 2, seed=batch)
+        drain(trainer)
+        used = [a.targets is not None for a in known]  # a known fact's targets are computed when first used
+        assert used == [i < 10 * (batch + 1) for i in range(24)] if batch < 2 else all(used)
+    assert trainer.stats.anchor_samples == 3 * (1 + 10) and trainer._known_next == 6
+
+
+def test_known_facts_are_not_the_gates_canaries(smollm2_tokenizer):
+    """The known facts keep the model's answers to real facts; the gate's canaries measure them: disjoint sets."""
+    anchors = known_fact_anchors(smollm2_tokenizer)
+    canaries = {tuple(smollm2_tokenizer.user_prompt(question)) for question, _, _ in CANARIES}
+    assert len(anchors) == 24 and not canaries & {tuple(a.prompt_ids) for a in anchors}
+    assert all(a.response_ids[-1] == smollm2_tokenizer.end_of_turn_token_id for a in anchors)

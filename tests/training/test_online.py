@@ -62,8 +62,10 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
     # No protected directions: on a tiny random model they would only make its outputs harder to move, which
     # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
+    # No known-fact anchors: their text means nothing to a tiny model (tests/training/test_anchors.py has them).
     fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "gate": False,
-              "protect_energy": 0.0, "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
+              "protect_energy": 0.0, "anchor_known_facts": 0, "trainer": TrainerConfig(lr=1e-2),
+              **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return beside(engine, log, checkpoints, config), log, checkpoints
 

@@ -31,10 +31,10 @@ def test_principal_directions_hold_the_asked_energy():
 
 
 class _Tok:
-    """Plain-text prompts for a tiny model (no chat template): ``compute_slices`` falls back to ``encode``."""
+    """Plain-text prompts for a tiny model (no chat template), as ``Tokenizer.user_prompt`` makes them."""
 
-    def apply_chat_template(self, messages):
-        raise ValueError("no chat template")
+    def user_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         return [3 + ord(c) % 200 for c in text]
