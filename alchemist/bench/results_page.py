@@ -109,34 +109,46 @@ def online_block(meta: dict, folder: Path) -> str:
 
 
 def learn_block(meta: dict, folder: Path) -> str:
-    """`bench learn`'s teach rounds, its end-of-teach measures, and the throughput of each objective."""
-    teach = read_rows(folder / meta["teach"])
-    rounds = [r for r in teach if r["part"] == "teach"]
-    end = next(r for r in teach if r["part"] == "teach_end")
-    by_2 = next(r for r in rounds if r["round"] == min(2, rounds[-1]["round"]))
-    out = table(
-        ["round", "facts known", "corrected", "batches", "promoted / blocked", "steps", "quarantined", "train s"],
-        [[r["round"], f"{r['known']} of {r['of']}", r["corrected"], r["batches"], f"{r['promoted']} / {r['blocked']}",
-          r["steps"], r["quarantined"], f1(r["train_s"])] for r in rounds],
-    )
-    yes = {True: "met", False: "not met"}
-    out += "\n" + table(["at the end of teach", "value", "goal"], [
-        ["held-out perplexity rise", f"{end['perplexity_rise']:+.1%}", f"< 5%: {yes[end['goal_rise']]}"],
-        ["unrelated greedy answers unchanged (32 tokens)", f"{end['unchanged_32']} of {end['unrelated']}",
-         f">= 80%: {yes[end['goal_unchanged']]}"],
-        ["the same, first 16 tokens", f"{end['unchanged_16']} of {end['unrelated']}", ""],
-        ["facts known after 2 corrections each", f"{by_2['known']} of {by_2['of']}",
-         f">= 90%: {yes[end['goal_known_by_2']]}"],
-    ])
-    through = read_rows(folder / meta["throughput"])
-    out += "\n" + table(
-        ["objective", "replay s", "recompute s", "base-model pass s (replay / recompute)",
-         "KTO reference point s (replay / recompute)", "items/s replay", "replay / recompute", "goal"],
-        [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", both_ways(r, "reference"),
-          both_ways(r, "kl"), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
-          "-" if r["goal"] is None else f"{r['goal']}: {yes[r['met']]}"] for r in through],
-    )
-    return out
+    """`bench learn`'s parts that ``meta`` names rows of: the teach rounds and the end-of-teach measures, the
+    forgetting curve, the throughput of each objective."""
+    blocks, yes = [], {True: "met", False: "not met"}
+    if "teach" in meta:
+        teach = read_rows(folder / meta["teach"])
+        rounds = [r for r in teach if r["part"] == "teach"]
+        end = next(r for r in teach if r["part"] == "teach_end")
+        by_2 = next(r for r in rounds if r["round"] == min(2, rounds[-1]["round"]))
+        blocks.append(table(
+            ["round", "facts known", "corrected", "batches", "promoted / blocked", "steps", "quarantined", "train s"],
+            [[r["round"], f"{r['known']} of {r['of']}", r["corrected"], r["batches"],
+              f"{r['promoted']} / {r['blocked']}", r["steps"], r["quarantined"], f1(r["train_s"])] for r in rounds],
+        ))  # fmt: skip
+        blocks.append(table(["at the end of teach", "value", "goal"], [
+            ["held-out perplexity rise", f"{end['perplexity_rise']:+.1%}", f"< 5%: {yes[end['goal_rise']]}"],
+            ["unrelated greedy answers unchanged (32 tokens)", f"{end['unchanged_32']} of {end['unrelated']}",
+             f">= 80%: {yes[end['goal_unchanged']]}"],
+            ["the same, first 16 tokens", f"{end['unchanged_16']} of {end['unrelated']}", ""],
+            ["facts known after 2 corrections each", f"{by_2['known']} of {by_2['of']}",
+             f">= 90%: {yes[end['goal_known_by_2']]}"],
+        ]))  # fmt: skip
+    if "forgetting" in meta:
+        curve = [r for r in read_rows(folder / meta["forgetting"]) if r["part"] == "forgetting"]
+        blocks.append(table(
+            ["facts taught", "first ten known", "all taught known", "learned when taught", "corrections",
+             "versions promoted / blocked", "steps", "train s"],
+            [[r["taught"], f"{r['first_ten_known']} of {r['of']}", f"{r['taught_known']} of {r['taught']}",
+              r["learned_when_taught"], r["corrections"], f"{r['promoted']} / {r['blocked']}", r["steps"],
+              f1(r["train_s"])] for r in curve],
+        ))  # fmt: skip
+    if "throughput" in meta:
+        through = read_rows(folder / meta["throughput"])
+        blocks.append(table(
+            ["objective", "replay s", "recompute s", "base-model pass s (replay / recompute)",
+             "KTO reference point s (replay / recompute)", "items/s replay", "replay / recompute", "goal"],
+            [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", both_ways(r, "reference"),
+              both_ways(r, "kl"), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
+              "-" if r["goal"] is None else f"{r['goal']}: {yes[r['met']]}"] for r in through],
+        ))  # fmt: skip
+    return "\n".join(blocks)
 
 
 def soak_block(meta: dict, folder: Path) -> str:

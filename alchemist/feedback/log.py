@@ -278,6 +278,16 @@ class FeedbackLog:
             ).fetchall()
         return [_entry(r) for r in rows]
 
+    def trained_corrections_after(self, after_seq: int, limit: int) -> list[FeedbackEntry]:
+        """Up to ``limit`` trained corrections with seq > ``after_seq``, oldest first (rehearsal takes them in
+        turn)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ? ORDER BY seq "
+                "LIMIT ?", (after_seq, limit),
+            ).fetchall()  # fmt: skip
+        return [_entry(r) for r in rows]
+
     def entries(self, state: str | None = None, after_seq: int = 0, limit: int = 100) -> list[FeedbackEntry]:
         """Up to ``limit`` entries (in ``state``, if given) with seq > ``after_seq``, oldest first."""
         where = "seq > ?" + ("" if state is None else " AND state = ?")

@@ -92,6 +92,7 @@ class OnlineTrainer:
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.known_facts = known_fact_anchors(tokenizer) if config.anchor_known_facts else []
         self._known_next = 0  # the next known fact to anchor on (they are taken in turn, batch by batch)
+        self._rehearsed_through = 0  # rehearsal takes trained corrections in turn: the last one's seq
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
             dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
@@ -248,19 +249,23 @@ class OnlineTrainer:
         anchors = yield from self._prepare_slices(feedback)
         self._job_s = 0.0
         facts, taught_before = yield from self._taught_slices()
+        rehearsed = self._rehearsal()
+        # A rehearsed correction weighs what one of the batch's own does; the anchors share anchor_weight.
+        rehearsed_scales = [self.config.sft_weight / max(len(feedback.sft), len(rehearsed), 1)] * len(rehearsed)
         anchor_scales = [self.config.anchor_weight / len(anchors)] * len(anchors) if anchors else []
+        extra, extra_scales = rehearsed + anchors, rehearsed_scales + anchor_scales
         steps: list[tuple[list[Sample], StepResult]] = []
         for epoch in range(self.config.epochs):
             samples, scales = yield from feedback.samples_slices(self.trainer)  # z0 under this adapter
             screen = partial(self._screen, batch, feedback, len(samples)) if epoch == 0 else None
             # each sample's record or a recompute -> loss -> backward -> update
-            step = yield from self.trainer.step_slices(samples + anchors, scales + anchor_scales, screen)
+            step = yield from self.trainer.step_slices(samples + extra, scales + extra_scales, screen)
             if not step.updated:
                 return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
             steps.append((samples, step))
             if self._reached_target(samples, step.passes):
                 break
-        metrics = self._batch_metrics(feedback, anchors, steps)
+        metrics = self._batch_metrics(feedback, rehearsed, anchors, steps)
         evaluation = yield from self._evaluate_slices(facts, taught_before)
         if evaluation is None or evaluation.promoted:
             yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
@@ -304,11 +309,19 @@ class OnlineTrainer:
         return evaluation
 
     def _batch_metrics(
-        self, feedback: FeedbackBatch, anchors: list[Sample], steps: list[tuple[list[Sample], StepResult]]
+        self,
+        feedback: FeedbackBatch,
+        rehearsed: list[Sample],
+        anchors: list[Sample],
+        steps: list[tuple[list[Sample], StepResult]],
     ) -> dict:
         """The batch's steps summed up for its checkpoint (and the last ones for /metrics)."""
         losses = [sum(loss for loss, _ in step.passes[: len(samples)]) / len(samples) for samples, step in steps]
-        kls = [sum(loss for loss, _ in step.passes[len(samples) :]) / max(len(anchors), 1) for samples, step in steps]
+        first, last = steps[0], steps[-1]
+        rehearsal = [[loss for loss, _ in step.passes[len(samples) : len(samples) + len(rehearsed)]]
+                     for samples, step in (first, last)]  # fmt: skip
+        kls = [sum(loss for loss, _ in step.passes[len(samples) + len(rehearsed) :]) / max(len(anchors), 1)
+               for samples, step in steps]  # fmt: skip
         tokens = sum(len(s.response_ids) for samples, _ in steps for s in samples)
         self.stats.last_loss = losses[-1]
         self.stats.last_anchor_kl = kls[-1] if anchors else None
@@ -324,6 +337,8 @@ class OnlineTrainer:
             "response_tokens": tokens,
             "anchors": len(anchors),
             "anchor_kl": kls[-1] if anchors else None,
+            "rehearsed": len(rehearsed),  # and their mean loss at the first step and the last
+            "rehearsal_loss": [sum(r) / len(r) for r in rehearsal] if rehearsed else None,
         }
 
     def _commit_slices(
@@ -395,6 +410,20 @@ class OnlineTrainer:
                 anchor.targets = anchor_targets
             yield
         return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
+
+    def _rehearsal(self) -> list[Sample]:
+        """The batch's ``rehearse_corrections`` corrections trained before: the next ones of the log, in turn
+        (starting over after the last), replayed from their records while those are fresh."""
+        count = self.config.rehearse_corrections
+        if not count:
+            return []
+        entries = self.log.trained_corrections_after(self._rehearsed_through, count)
+        if len(entries) < count:  # the end of the log: start over from the oldest (never one twice in a batch)
+            seen = {e.seq for e in entries}
+            entries += [e for e in self.log.trained_corrections_after(0, count - len(entries)) if e.seq not in seen]
+        if entries:
+            self._rehearsed_through = entries[-1].seq
+        return [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in entries]
 
     def _next_known_facts(self) -> list[Anchor]:
         """The batch's ``anchor_known_facts`` known facts: the next ones of the list, in turn."""

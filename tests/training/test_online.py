@@ -62,10 +62,11 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
     # No protected directions: on a tiny random model they would only make its outputs harder to move, which
     # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
-    # No known-fact anchors: their text means nothing to a tiny model (tests/training/test_anchors.py has them).
+    # No known-fact anchors (their text means nothing to a tiny model: tests/training/test_anchors.py has them) and
+    # no rehearsal (test_rehearsal_... has it): each batch trains its own feedback and nothing else.
     fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "gate": False,
-              "protect_energy": 0.0, "anchor_known_facts": 0, "trainer": TrainerConfig(lr=1e-2),
-              **overrides}  # fmt: skip
+              "protect_energy": 0.0, "anchor_known_facts": 0, "rehearse_corrections": 0,
+              "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
     return beside(engine, log, checkpoints, config), log, checkpoints
 
@@ -113,6 +114,24 @@ def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_pa
     assert 1 < metrics["epochs"] < 40  # it stopped at the first step whose losses were all under the target
     assert metrics["losses"]["sft"] < 5.0
     assert trainer.version == metrics["epochs"]  # a step per epoch run
+
+
+def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, tmp_path):
+    """Each batch also trains ``rehearse_corrections`` corrections trained before (SFT), the next ones of the log in
+    turn, starting over after the last; the batch's own feedback and its target are unchanged."""
+    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=3, epochs=1)
+    seqs = []
+    for batch in range(4):
+        seqs += serve_and_log(engine, log, 2, seed=batch)
+        drain(trainer)
+        if batch == 2:  # 1-4 trained before: 3 and 4 were not rehearsed yet (1 and 2 were), then 1 again
+            assert trainer._rehearsed_through == seqs[0]
+    versions = checkpoints.versions()
+    assert [v.metrics["rehearsed"] for v in versions] == [0, 2, 3, 3]
+    assert [v.metrics["samples"] for v in versions] == [2, 2, 2, 2]  # rehearsal is not the batch's feedback
+    assert versions[0].metrics["rehearsal_loss"] is None and len(versions[-1].metrics["rehearsal_loss"]) == 2
+    assert trainer._rehearsed_through == seqs[3]  # the fourth batch rehearsed 2, 3, 4
+    assert trainer.stats.samples == 8 + 8  # every pass counted: 8 feedback samples, 8 rehearsed
 
 
 def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path):
