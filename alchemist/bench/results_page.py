@@ -110,7 +110,7 @@ def online_block(meta: dict, folder: Path) -> str:
 
 def learn_block(meta: dict, folder: Path) -> str:
     """`bench learn`'s parts that ``meta`` names rows of: the teach rounds and the end-of-teach measures, the
-    forgetting curve, the throughput of each objective."""
+    forgetting curves (``meta["forgetting"]``: label -> rows), the throughput of each objective."""
     blocks, yes = [], {True: "met", False: "not met"}
     if "teach" in meta:
         teach = read_rows(folder / meta["teach"])
@@ -130,14 +130,15 @@ def learn_block(meta: dict, folder: Path) -> str:
             ["facts known after 2 corrections each", f"{by_2['known']} of {by_2['of']}",
              f">= 90%: {yes[end['goal_known_by_2']]}"],
         ]))  # fmt: skip
-    if "forgetting" in meta:
-        curve = [r for r in read_rows(folder / meta["forgetting"]) if r["part"] == "forgetting"]
+    if "forgetting" in meta:  # label -> rows: one curve per configuration
+        curves = [(label, r) for label, file in meta["forgetting"].items()
+                  for r in read_rows(folder / file) if r["part"] == "forgetting"]  # fmt: skip
         blocks.append(table(
-            ["facts taught", "first ten known", "all taught known", "learned when taught", "corrections",
-             "versions promoted / blocked", "steps", "train s"],
-            [[r["taught"], f"{r['first_ten_known']} of {r['of']}", f"{r['taught_known']} of {r['taught']}",
+            ["forgetting", "facts taught", "first ten known", "all taught known", "learned when taught",
+             "corrections", "versions promoted / blocked", "steps", "train s"],
+            [[label, r["taught"], f"{r['first_ten_known']} of {r['of']}", f"{r['taught_known']} of {r['taught']}",
               r["learned_when_taught"], r["corrections"], f"{r['promoted']} / {r['blocked']}", r["steps"],
-              f1(r["train_s"])] for r in curve],
+              f1(r["train_s"])] for label, r in curves],
         ))  # fmt: skip
     if "throughput" in meta:
         through = read_rows(folder / meta["throughput"])
