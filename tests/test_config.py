@@ -155,6 +155,8 @@ BAD_FLAGS = [
     (["--lora-alpha", "0"], "--lora-alpha must be positive"),
     (["--keep-adapter-versions", "0"], "--keep-adapter-versions must be a positive integer"),
     (["--train-anchor-samples", "0"], "--train-anchor-samples must be a positive integer"),
+    (["--train-anchor-known-facts", "-1"], "--train-anchor-known-facts must be an integer >= 0"),
+    (["--train-rehearse-corrections", "-1"], "--train-rehearse-corrections must be an integer >= 0"),
     (["--train-anchor-top-k", "0"], "--train-anchor-top-k must be a positive integer"),
     (["--train-anchor-max-tokens", "0"], "--train-anchor-max-tokens must be a positive integer"),
     (["--train-anchor-pool-size", "0"], "--train-anchor-pool-size must be a positive integer"),
