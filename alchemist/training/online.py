@@ -40,6 +40,7 @@ checkpointed, and no new batch starts meanwhile, so a rollback never throws trai
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -93,6 +94,10 @@ class OnlineTrainer:
         self.known_facts = known_fact_anchors(tokenizer) if config.anchor_known_facts else []
         self._known_next = 0  # the next known fact to anchor on (they are taken in turn, batch by batch)
         self._rehearsed_through = 0  # rehearsal takes trained corrections in turn: the last one's seq
+        # Versions a rollback undid, as [lo, hi] ranges (lo < version <= hi): what they trained is not rehearsed.
+        # Every checkpoint carries the ranges its weights stand for ("undone"), so a restart or a later rollback
+        # to it knows them.
+        self._undone: list[list[int]] = []
         self.weights = ObjectiveWeights(
             sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
             dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
@@ -169,6 +174,8 @@ class OnlineTrainer:
     def _load(self, version: int) -> None:
         model = self.model
         adapter, optimizer_state, _ = self.checkpoints.load(version, model.config, model.device)
+        info = next(v for v in self.checkpoints.versions() if v.version == version)
+        self._undone = [list(r) for r in info.metrics.get("undone", [])]
         if adapter.config.r != self.adapter.config.r or adapter.config.alpha != self.adapter.config.alpha:
             raise ValueError(
                 f"adapter version {version} has r={adapter.config.r}, alpha={adapter.config.alpha}; this trainer is "
@@ -239,6 +246,7 @@ class OnlineTrainer:
         initial = LoraAdapter(self.adapter.model_config, self.adapter.config, seed=self.config.seed)
         self.adapter.load_state_dict(initial.state_dict())
         self.trainer.optimizer.state.clear()
+        self._undone = []
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
@@ -346,7 +354,8 @@ class OnlineTrainer:
     ) -> Generator[None, None, None]:
         """Checkpoints the batch's version, then tells the log: its entries trained (promoted) or held (not)."""
         seqs = [entry.seq for entry, _ in batch]
-        metrics = {**metrics, "seqs": seqs, "train_s": self._job_s}  # the batch's slices, the evaluation's included
+        metrics = {**metrics, "seqs": seqs, "train_s": self._job_s,  # the batch's slices, the evaluation's included
+                   "undone": self._undone}
         if evaluation is not None:
             metrics["evaluation"] = evaluation.as_dict()
         state = self.trainer.optimizer.state_dict()
@@ -413,17 +422,26 @@ class OnlineTrainer:
 
     def _rehearsal(self) -> list[Sample]:
         """The batch's ``rehearse_corrections`` corrections trained before: the next ones of the log, in turn
-        (starting over after the last), replayed from their records while those are fresh."""
+        (starting over after the last), none that a version a rollback undid trained; replayed from their records
+        while those are fresh."""
         count = self.config.rehearse_corrections
-        if not count:
-            return []
-        entries = self.log.trained_corrections_after(self._rehearsed_through, count)
-        if len(entries) < count:  # the end of the log: start over from the oldest (never one twice in a batch)
-            seen = {e.seq for e in entries}
-            entries += [e for e in self.log.trained_corrections_after(0, count - len(entries)) if e.seq not in seen]
+        kept = (e for e in self._trained_in_turn() if not any(lo < (e.trained_version or 0) <= hi
+                                                               for lo, hi in self._undone))  # fmt: skip
+        entries = list(itertools.islice(kept, count))
         if entries:
             self._rehearsed_through = entries[-1].seq
         return [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in entries]
+
+    def _trained_in_turn(self) -> Generator[FeedbackEntry, None, None]:
+        """The trained corrections after the last one rehearsed, then from the oldest up to it (each once)."""
+        start = self._rehearsed_through
+        for after, through in ((start, None), (0, start)):
+            while page := self.log.trained_corrections_after(after, 64):
+                for entry in page:
+                    if through is not None and entry.seq > through:
+                        return
+                    yield entry
+                after = page[-1].seq
 
     def _next_known_facts(self) -> list[Anchor]:
         """The batch's ``anchor_known_facts`` known facts: the next ones of the list, in turn."""
@@ -469,11 +487,14 @@ class OnlineTrainer:
     def _serve_again(self, version: int, metrics: dict) -> int:
         """Between batches: ``version``'s weights (0: the base model's) become a new version that serves."""
         self.queue.changed()
+        newest = max([self.version, *(v.version for v in self.checkpoints.versions())])
         if version == 0:
             self._load_initial()
         else:
             self._load(version)
-        self.adapter.version = max([self.version, *(v.version for v in self.checkpoints.versions())]) + 1
+        self._undone.append([version, newest])  # what the versions after it trained is not rehearsed again
+        metrics = {**metrics, "undone": self._undone}
+        self.adapter.version = newest + 1
         self.publisher.set_adapter(self.adapter, self.version)
         state = self.trainer.optimizer.state_dict()
         run_to_end(self.checkpoints.save_slices(self.version, self.adapter, state, self.position, metrics))

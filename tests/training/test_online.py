@@ -134,6 +134,28 @@ def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, 
     assert trainer.stats.samples == 8 + 8  # every pass counted: 8 feedback samples, 8 rehearsed
 
 
+def test_rehearsal_leaves_out_what_a_rollback_undid_also_after_a_restart(engine, tmp_path):
+    """A rollback undoes the versions after its target: the corrections they trained are not rehearsed again (nor
+    after a restart, nor after a later rollback to a version from before it), the others are."""
+    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=8, epochs=1)
+    for batch in range(2):  # version 1 trains seqs 1-2, version 2 seqs 3-4
+        serve_and_log(engine, log, 2, seed=batch)
+        drain(trainer)
+    roll_back(trainer, 1)  # version 3 serves version 1's weights: seqs 3-4 are undone
+    assert checkpoints.latest().metrics["undone"] == [[1, 2]]
+    serve_and_log(engine, log, 2, seed=2)
+    drain(trainer)  # version 4 rehearses 1-2 only
+    assert checkpoints.latest().metrics["rehearsed"] == 2 and checkpoints.latest().metrics["undone"] == [[1, 2]]
+    restarted = beside(engine, log, checkpoints, trainer.config)
+    serve_and_log(engine, log, 2, seed=3)
+    drain(restarted)  # version 5 rehearses 1-2 and 5-6 (version 4's), never 3-4
+    assert checkpoints.latest().metrics["rehearsed"] == 4
+    roll_back(restarted, 0)  # everything undone: nothing to rehearse
+    serve_and_log(engine, log, 2, seed=4)
+    drain(restarted)
+    assert checkpoints.latest().metrics["rehearsed"] == 0
+
+
 def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path):
     trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1)
     flood = serve_and_log(engine, log, 6, seed=1, key_name="mallory")
@@ -300,7 +322,7 @@ def test_a_rollback_waits_for_the_batch_in_training_and_keeps_it(engine, tmp_pat
     assert not done.done()
     trainer.run_slice()
     first, rollback = checkpoints.versions()
-    assert first.metrics["seqs"] == seqs[:2] and rollback.metrics == {"rollback_of": 0}
+    assert first.metrics["seqs"] == seqs[:2] and rollback.metrics == {"rollback_of": 0, "undone": [[0, 2]]}
     assert done.result(timeout=0) == rollback.version and rollback.version == first.version + 1
     assert trainer.position == seqs[1] == rollback.log_position  # the batch counts as trained
     drain(trainer)
