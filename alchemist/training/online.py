@@ -354,8 +354,9 @@ class OnlineTrainer:
     ) -> Generator[None, None, None]:
         """Checkpoints the batch's version, then tells the log: its entries trained (promoted) or held (not)."""
         seqs = [entry.seq for entry, _ in batch]
-        metrics = {**metrics, "seqs": seqs, "train_s": self._job_s,  # the batch's slices, the evaluation's included
-                   "undone": self._undone}
+        metrics = {**metrics, "seqs": seqs, "train_s": self._job_s}  # the batch's slices, the evaluation's included
+        if self._undone:
+            metrics["undone"] = self._undone
         if evaluation is not None:
             metrics["evaluation"] = evaluation.as_dict()
         state = self.trainer.optimizer.state_dict()
@@ -492,8 +493,9 @@ class OnlineTrainer:
             self._load_initial()
         else:
             self._load(version)
-        self._undone.append([version, newest])  # what the versions after it trained is not rehearsed again
-        metrics = {**metrics, "undone": self._undone}
+        if version < newest:  # what the versions after it trained is not rehearsed again
+            self._undone.append([version, newest])
+        metrics = {**metrics, **({"undone": self._undone} if self._undone else {})}
         self.adapter.version = newest + 1
         self.publisher.set_adapter(self.adapter, self.version)
         state = self.trainer.optimizer.state_dict()
