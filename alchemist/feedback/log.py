@@ -278,13 +278,19 @@ class FeedbackLog:
             ).fetchall()
         return [_entry(r) for r in rows]
 
-    def trained_corrections_after(self, after_seq: int, limit: int) -> list[FeedbackEntry]:
-        """Up to ``limit`` trained corrections with seq > ``after_seq``, oldest first (rehearsal takes them in
-        turn)."""
+    def trained_corrections_after(
+        self, after_seq: int, limit: int, undone: Sequence[Sequence[int]] = ()
+    ) -> list[FeedbackEntry]:
+        """Up to ``limit`` trained corrections with seq > ``after_seq``, oldest first, none trained by a version in
+        one of the ``undone`` ranges ([lo, hi]: lo < version <= hi; what a rollback undid). Rehearsal takes them in
+        turn."""
+        skip = "".join(" AND NOT (COALESCE(trained_version, 0) > ? AND COALESCE(trained_version, 0) <= ?)"
+                       for _ in undone)  # fmt: skip
+        args = [after_seq, *(bound for lo_hi in undone for bound in lo_hi), limit]
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ? ORDER BY seq "
-                "LIMIT ?", (after_seq, limit),
+                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ?"
+                f"{skip} ORDER BY seq LIMIT ?", args,
             ).fetchall()  # fmt: skip
         return [_entry(r) for r in rows]
 

@@ -40,7 +40,6 @@ checkpointed, and no new batch starts meanwhile, so a rollback never throws trai
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -426,23 +425,16 @@ class OnlineTrainer:
         (starting over after the last), none that a version a rollback undid trained; replayed from their records
         while those are fresh."""
         count = self.config.rehearse_corrections
-        kept = (e for e in self._trained_in_turn() if not any(lo < (e.trained_version or 0) <= hi
-                                                               for lo, hi in self._undone))  # fmt: skip
-        entries = list(itertools.islice(kept, count))
+        if not count:
+            return []
+        entries = self.log.trained_corrections_after(self._rehearsed_through, count, self._undone)
+        if len(entries) < count:  # the end of the log: start over from the oldest (never one twice in a batch)
+            seen = {e.seq for e in entries}
+            again = self.log.trained_corrections_after(0, count - len(entries), self._undone)
+            entries += [e for e in again if e.seq not in seen]
         if entries:
             self._rehearsed_through = entries[-1].seq
         return [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in entries]
-
-    def _trained_in_turn(self) -> Generator[FeedbackEntry, None, None]:
-        """The trained corrections after the last one rehearsed, then from the oldest up to it (each once)."""
-        start = self._rehearsed_through
-        for after, through in ((start, None), (0, start)):
-            while page := self.log.trained_corrections_after(after, 64):
-                for entry in page:
-                    if through is not None and entry.seq > through:
-                        return
-                    yield entry
-                after = page[-1].seq
 
     def _next_known_facts(self) -> list[Anchor]:
         """The batch's ``anchor_known_facts`` known facts: the next ones of the list, in turn."""
