@@ -269,13 +269,15 @@ class FeedbackLog:
             ).fetchall()
         return [_entry(r) for r in rows]
 
-    def trained_corrections(self, limit: int) -> list[FeedbackEntry]:
-        """The ``limit`` corrections trained most recently (the facts people taught), newest first."""
+    def trained_corrections(self, limit: int, undone: Sequence[Sequence[int]] = ()) -> list[FeedbackEntry]:
+        """The ``limit`` corrections trained most recently (the facts people taught), newest first, none trained by a
+        version in one of the ``undone`` ranges (``trained_corrections_after``)."""
+        skip, bounds = _not_undone(undone)
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL ORDER BY seq DESC LIMIT ?",
-                (limit,),
-            ).fetchall()
+                f"SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL{skip} "
+                "ORDER BY seq DESC LIMIT ?", (*bounds, limit),
+            ).fetchall()  # fmt: skip
         return [_entry(r) for r in rows]
 
     def trained_corrections_after(
@@ -284,13 +286,11 @@ class FeedbackLog:
         """Up to ``limit`` trained corrections with seq > ``after_seq``, oldest first, none trained by a version in
         one of the ``undone`` ranges ([lo, hi]: lo < version <= hi; what a rollback undid). Rehearsal takes them in
         turn."""
-        skip = "".join(" AND NOT (COALESCE(trained_version, 0) > ? AND COALESCE(trained_version, 0) <= ?)"
-                       for _ in undone)  # fmt: skip
-        args = [after_seq, *(bound for lo_hi in undone for bound in lo_hi), limit]
+        skip, bounds = _not_undone(undone)
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ?"
-                f"{skip} ORDER BY seq LIMIT ?", args,
+                f"SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ?{skip} "
+                "ORDER BY seq LIMIT ?", (after_seq, *bounds, limit),
             ).fetchall()  # fmt: skip
         return [_entry(r) for r in rows]
 
@@ -428,6 +428,12 @@ class FeedbackLog:
             except Exception:  # the entry is committed: a failing listener must not turn the append into an error
                 logger.exception("feedback listener %r failed on entry %d", callback, entry.seq)
 
+
+def _not_undone(undone: Sequence[Sequence[int]]) -> tuple[str, list[int]]:
+    """A WHERE clause's tail (and its arguments) leaving out entries trained by a version in one of the ``undone``
+    ranges ([lo, hi]: lo < version <= hi)."""
+    skip = " AND NOT (COALESCE(trained_version, 0) > ? AND COALESCE(trained_version, 0) <= ?)" * len(undone)
+    return skip, [bound for lo_hi in undone for bound in lo_hi]
 
 def _entry(row: sqlite3.Row) -> FeedbackEntry:
     rejected = row["rejected_token_ids"]

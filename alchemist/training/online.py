@@ -300,7 +300,7 @@ class OnlineTrainer:
             return [], []
         self._gate_s = self.gate.seconds
         facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
-            self.gate.bounds.taught_samples)]  # fmt: skip
+            self.gate.bounds.taught_samples, self._undone)]  # fmt: skip
         taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         return facts, taught_before
 

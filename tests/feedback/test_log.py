@@ -215,6 +215,20 @@ def test_states_settle_once_with_their_version_or_reason(log: FeedbackLog):
     assert log.queued_seqs() == [(seqs[3], "sft")] and log.queued_seqs(through_seq=seqs[2]) == []
 
 
+def test_trained_corrections_leave_out_what_a_rollback_undid(log: FeedbackLog):
+    """Both reads of taught corrections (the gate's, newest first; rehearsal's, oldest first after a seq) skip the
+    entries trained by a version in an undone range (lo, hi]; ratings are never among them."""
+    seqs = [log.append(**submission(f"r{i}", correction=f"Fact {i}."))[0].seq for i in range(5)]
+    rating = log.append(**submission("thumb"))[0].seq
+    for version, seq in enumerate(seqs, start=1):
+        log.mark_trained([seq], version)
+    log.mark_trained([rating], 5)
+    assert [e.seq for e in log.trained_corrections(10)] == seqs[::-1]
+    assert [e.seq for e in log.trained_corrections(10, [[1, 3]])] == [seqs[4], seqs[3], seqs[0]]
+    assert [e.seq for e in log.trained_corrections(2, [[1, 3], [3, 5]])] == [seqs[0]]
+    assert [e.seq for e in log.trained_corrections_after(seqs[0], 10, [[1, 3]])] == seqs[3:]
+    assert log.trained_corrections(10, [[0, 5]]) == []
+
 
 def test_a_quarantined_entry_is_settled_for_now_and_released_first_in_line(log: FeedbackLog):
     seqs = [log.append(**submission(f"r{i}"))[0].seq for i in range(3)]
