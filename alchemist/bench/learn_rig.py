@@ -74,7 +74,7 @@ class LearnRig:
         self._ids = itertools.count()
 
     def prompt(self, question: str) -> list[int]:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        return self.tokenizer.user_prompt(question)
 
     def ask(self, questions: list[str], max_tokens: int, anchor: bool = False) -> list[Answer]:
         """Greedy answers, all in one engine batch, each prompt recorded (the request asks, as the e2e test's do).

@@ -211,7 +211,7 @@ def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -
 
     device = resolve_device(args.device)
     loaded = load_model(args.model_path, dtype=resolve_dtype(args.dtype, device), device=device)
-    template = lambda chat: loaded.tokenizer.apply_chat_template([{"role": "user", "content": chat.turns[0]}])
+    template = lambda chat: loaded.tokenizer.user_prompt(chat.turns[0])
     prompts = {c: [template(chat) for chat in chats] for (w, c), chats in plan.cells.items() if w == "first_turn"}
     warmup = template(plan.warmup)
     max_model_len = args.max_prompt_tokens + args.max_tokens

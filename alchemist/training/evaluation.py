@@ -108,7 +108,7 @@ class EvaluationGate:
         self.bounds = bounds
         self.group_size = group_size
         chats = json.loads(HELDOUT_FILE.read_text())
-        self.heldout = [(tokenizer.apply_chat_template([{"role": "user", "content": c["user"]}]),
+        self.heldout = [(tokenizer.user_prompt(c["user"]),
                          tokenizer.encode_reply(c["assistant"])) for c in chats]  # fmt: skip
         self.canaries = [(question, canary_pair(tokenizer, question, start, answer))
                          for question, start, answer in CANARIES]  # fmt: skip
@@ -178,7 +178,7 @@ class EvaluationGate:
 def canary_pair(tokenizer: Tokenizer, question: str, start: str, answer: str) -> Pair:
     """(the question's prompt and the answer's start, the answer's words): the start is tokenized with the answer,
     so the answer's tokens are the ones the model would produce after it."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    prompt = tokenizer.user_prompt(question)
     whole, lead = tokenizer.encode(start + answer), tokenizer.encode(start)
     if whole[: len(lead)] != lead:  # a tokenizer that merges across the boundary: the answer on its own
         return prompt + lead, tokenizer.encode(answer)

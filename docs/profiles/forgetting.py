@@ -58,7 +58,7 @@ def main() -> None:
         return ids[len(prompt) :]
 
     facts = [
-        Sample(tok.apply_chat_template([{"role": "user", "content": q}]), tok.encode_reply(fix)) for q, fix, _ in FACTS
+        Sample(tok.user_prompt(q), tok.encode_reply(fix)) for q, fix, _ in FACTS
     ]
     held_prompts = {tuple(tok.apply_chat_template(s.messages)) for s in held_out_replies(tok)}
     anchors = []

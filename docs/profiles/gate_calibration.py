@@ -54,7 +54,7 @@ def main() -> None:
         def ask(
             questions: list[str], offer: bool, engine=engine, trainer=trainer, counter=counter
         ) -> list[tuple[str, list[int], list[int]]]:
-            prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+            prompts = [tok.user_prompt(q) for q in questions]
             ids = [f"r{next(counter)}" for _ in prompts]
             for rid, prompt in zip(ids, prompts, strict=True):
                 engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0, record=True))

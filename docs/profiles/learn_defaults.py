@@ -64,7 +64,7 @@ def main() -> None:
     counter = iter(range(10**9))
 
     def ask(questions: list[str], max_tokens: int, offer: bool) -> list[tuple[str, list[int], list[int], str]]:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        prompts = [tok.user_prompt(q) for q in questions]
         ids = [f"r{next(counter)}" for _ in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, record=True)
         for rid, prompt in zip(ids, prompts, strict=True):

@@ -67,7 +67,7 @@ def main() -> None:
 
     def serve(questions: list[str], temperature: float, seed: int = 0) -> list[tuple[str, list[int], list[int]]]:
         """(request id, prompt ids, output ids) of each question's answer, offered to the anchors."""
-        chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        chats = [tok.user_prompt(q) for q in questions]
         ids = [f"r{next(counter)}" for _ in chats]
         for i, (rid, prompt) in enumerate(zip(ids, chats, strict=True)):
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=seed + i, record=True)
