@@ -105,7 +105,34 @@ def online_block(meta: dict, folder: Path) -> str:
     ]
     goals = [[r["ratio"], f"**{r['value']:.2f}**", r["goal"], "met" if r["met"] else "not met"]
              for r in rows if "ratio" in r]
-    return table(header, body) + "\n" + table(["ratio", "value", "goal", ""], goals)
+    blocks = [table(header, body), table(["ratio", "value", "goal", ""], goals)]
+    backlog = [r for r in rows if "backlog_of" in r]
+    if backlog:
+        blocks.append(backlog_table(backlog, meta.get("backlog_every_s", 30.0)))
+    return "\n".join(blocks)
+
+
+def backlog_table(samples: list[dict], every_s: float) -> str:
+    """The runs' backlog over time (training on): the samples on an ``every_s`` grid, each phase's last and each
+    run's peak (marked)."""
+    body = []
+    for run in dict.fromkeys(s["backlog_of"] for s in samples):  # in the runs' order
+        series = [s for s in samples if s["backlog_of"] == run and "queued" in s]  # not a failed scrape's
+        if run == "off":
+            continue  # training off: its backlog is all its feedback, by design
+        peak = max(series, key=lambda s: s["queued"])
+        kept, next_t = [], 0.0
+        for i, s in enumerate(series):
+            last_of_phase = i + 1 == len(series) or series[i + 1]["phase"] != s["phase"]
+            on_grid = s["t_s"] >= next_t
+            if on_grid:
+                next_t += every_s * (1 + (s["t_s"] - next_t) // every_s)
+            if on_grid or last_of_phase or s is peak:
+                kept.append(s)
+        body += [[run, f1(s["t_s"]), s["phase"], f"**{s['queued']}**" if s is peak else s["queued"],
+                  s["correction"], s["thumbs_up"] + s["thumbs_down"], s["preference"], f1(s["oldest_s"])]
+                 for s in kept]  # fmt: skip
+    return table(["backlog of", "t s", "phase", "queued", "corrections", "thumbs", "pairs", "oldest s"], body)
 
 
 def learn_block(meta: dict, folder: Path) -> str:

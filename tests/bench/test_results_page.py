@@ -35,3 +35,18 @@ def test_a_changed_row_changes_the_page_and_check_fails(tmp_path, capsys):
     assert results_page.main([str(page), "--results", str(results)]) == 0
     assert "| replay | 21.2 | 99.9 |" in page.read_text()
     assert results_page.main([str(page), "--results", str(results), "--check"]) == 0
+
+
+def test_the_backlog_table_thins_a_series_but_keeps_its_peak_and_each_phase_end():
+    def sample(run, t, phase, corrections, thumbs=0):
+        return {"backlog_of": run, "t_s": t, "phase": phase, "correction": corrections, "thumbs_up": thumbs,
+                "thumbs_down": 0, "preference": 0, "queued": corrections + thumbs, "oldest_s": t / 2}
+
+    series = [sample("replay", t, "load", n) for t, n in [(0, 0), (5, 2), (10, 4), (15, 9), (20, 3), (25, 5)]]
+    series += [sample("replay", t, "drain", n) for t, n in [(30, 4), (35, 1), (40, 0)]]
+    series += [sample("off", 0, "load", 7), {"backlog_of": "replay", "t_s": 45, "phase": "drain", "error": "x"}]
+    lines = results_page.backlog_table(series, every_s=20).splitlines()[2:]
+    kept = [(cells[1], cells[2], cells[3]) for cells in (line.split(" | ") for line in lines)]
+    # every 20 s from the first, the peak (marked), the load's last and the drain's last; off and errors left out
+    assert kept == [("0.0", "load", "0"), ("15.0", "load", "**9**"), ("20.0", "load", "3"), ("25.0", "load", "5"),
+                    ("40.0", "drain", "0")]
