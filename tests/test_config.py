@@ -157,6 +157,7 @@ BAD_FLAGS = [
     (["--train-anchor-samples", "0"], "--train-anchor-samples must be a positive integer"),
     (["--train-anchor-known-facts", "-1"], "--train-anchor-known-facts must be an integer >= 0"),
     (["--train-rehearse-corrections", "-1"], "--train-rehearse-corrections must be an integer >= 0"),
+    (["--train-rehearse-max-tokens", "-1"], "--train-rehearse-max-tokens must be an integer >= 0"),
     (["--train-anchor-top-k", "0"], "--train-anchor-top-k must be a positive integer"),
     (["--train-anchor-max-tokens", "0"], "--train-anchor-max-tokens must be a positive integer"),
     (["--train-anchor-pool-size", "0"], "--train-anchor-pool-size must be a positive integer"),

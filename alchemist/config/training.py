@@ -115,6 +115,12 @@ class OnlineConfig:
     # defaults").
     rehearse_corrections: Annotated[int, flag("train-rehearse-corrections", "corrections trained before, "
                                               "rehearsed (SFT) in each step (0: none)")] = 8  # fmt: skip
+    # ... and at most this many rows (prompt + response - 1 each): eight taught facts fit, a long chat correction
+    # takes them alone. Rehearsed samples are mostly recomputed (their records are gone); unbounded, eight ShareGPT
+    # corrections a step kept `bench online`'s trainer from keeping up (docs/benchmarks.md, "Online loop").
+    rehearse_max_tokens: Annotated[int, flag("train-rehearse-max-tokens", "rows (prompt + response tokens) of "
+                                             "rehearsed corrections per step at most; a longer one is passed over "
+                                             "(0: no limit)")] = 512  # fmt: skip
     # Poisoning guard (alchemist.training.quarantine). 4: a correction of random characters had about 4x the loss of
     # sensible ones on SmolLM2 (tests/server/test_poisoning.py, where the factor is 3).
     loss_spike_factor: Annotated[float, flag("train-loss-spike-factor", "quarantine a sample whose loss exceeds "
@@ -175,7 +181,8 @@ class OnlineConfig:
         check_non_negative(self, "sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight",
                            "kto_undesirable_weight", "skip_ratings_after_s", "skip_corrections_after_s",
                            "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s")  # fmt: skip
-        check_non_negative(self, "anchor_known_facts", "rehearse_corrections", integer=True)
+        check_non_negative(self, "anchor_known_facts", "rehearse_corrections", "rehearse_max_tokens",
+                           integer=True)
         check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",
                        "gate_canary_max_mean_drop", "gate_taught_max_rise")  # fmt: skip
         check_non_negative(self, "gate_taught_samples", "loss_spike_warmup", "seed", "rollback_min_ratings",

@@ -421,10 +421,11 @@ class OnlineTrainer:
         return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
 
     def _rehearsal(self) -> list[Sample]:
-        """The batch's ``rehearse_corrections`` corrections trained before: the next ones of the log, in turn
-        (starting over after the last), none that a version a rollback undid trained; replayed from their records
-        while those are fresh."""
-        count = self.config.rehearse_corrections
+        """The batch's corrections trained before: the next ones of the log, in turn (starting over after the
+        last), ``rehearse_corrections`` at most and ``rehearse_max_tokens`` rows at most (one longer than that alone
+        is passed over), none that a version a rollback undid trained; replayed from their records while those are
+        fresh."""
+        count, budget = self.config.rehearse_corrections, self.config.rehearse_max_tokens or None
         if not count:
             return []
         entries = self.log.trained_corrections_after(self._rehearsed_through, count, self._undone)
@@ -432,9 +433,18 @@ class OnlineTrainer:
             seen = {e.seq for e in entries}
             again = self.log.trained_corrections_after(0, count - len(entries), self._undone)
             entries += [e for e in again if e.seq not in seen]
-        if entries:
-            self._rehearsed_through = entries[-1].seq
-        return [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in entries]
+        taken, rows = [], 0
+        for entry in entries:
+            size = len(entry.prompt_token_ids) + len(entry.response_token_ids) - 1
+            if budget is not None and size > budget:
+                self._rehearsed_through = entry.seq  # never fits: passed over
+                continue
+            if budget is not None and rows + size > budget:
+                break  # first in line next time
+            taken.append(entry)
+            rows += size
+            self._rehearsed_through = entry.seq
+        return [Sample(e.prompt_token_ids, e.response_token_ids, e.response_id) for e in taken]
 
     def _next_known_facts(self) -> list[Anchor]:
         """The batch's ``anchor_known_facts`` known facts: the next ones of the list, in turn."""

@@ -134,6 +134,22 @@ def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, 
     assert trainer.stats.samples == 8 + 8  # every pass counted: 8 feedback samples, 8 rehearsed
 
 
+def test_rehearsal_takes_at_most_its_rows_and_passes_over_a_correction_longer_than_all_of_them(engine, tmp_path):
+    """``rehearse_max_tokens`` bounds the rows (prompt + response - 1) rehearsed per step: in turn, the next ones while
+    they fit; one that would not fit even alone is passed over (it never comes back), one that fits alone waits to be
+    first next time."""
+    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=8, rehearse_max_tokens=27, epochs=1)
+    seqs = []
+    for batch in range(3):  # each batch: a correction of 25 rows, then one of 28
+        seqs += serve_and_log(engine, log, 2, seed=batch)
+        drain(trainer)
+        if batch == 1:  # 1 (25 rows) rehearsed, 2 (28) passed over
+            assert trainer._rehearsed_through == seqs[1]
+    # The third batch: 3 rehearsed, 4 passed over, then (the log's end: from the oldest again) 1 would not fit beside 3
+    assert [v.metrics["rehearsed"] for v in checkpoints.versions()] == [0, 1, 1]
+    assert trainer._rehearsed_through == seqs[3]
+
+
 def test_rehearsal_leaves_out_what_a_rollback_undid_also_after_a_restart(engine, tmp_path):
     """A rollback undoes the versions after its target: the corrections they trained are not rehearsed again (nor
     after a restart, nor after a later rollback to a version from before it), the others are."""
