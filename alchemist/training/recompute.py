@@ -1,6 +1,9 @@
 """The recompute path: what a separate trainer does, one forward over prompt + response and one backward.
 
-It is the reference the replay path is tested against, and the fallback when a sample has no usable record.
+It is the reference the replay path is tested against, and the fallback when a sample has no usable record. The
+online trainer runs it as ``LayerSplitPass``: the same forward and backward with the autograd graph cut at every
+layer's output, so that both go a layer per slice (serving waits for a slice: one unsliced pass over a group of
+rehearsed chat corrections took seconds; docs/benchmarks.md, "Online loop").
 """
 
 from __future__ import annotations
@@ -8,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.llama import Adapter, Llama
+from alchemist.model.seam import COMPUTE
 from alchemist.training.losses import Targets, response_loss, sequence_logp
 from alchemist.training.slices import run_to_end
 
@@ -59,9 +64,56 @@ def recompute_losses(
     sequence log-probability instead (the value a preference objective takes)."""
     pairs = [(prompt, response) for prompt, response, _ in samples]
     hidden = run_to_end(responses_hidden_slices(model, adapter, pairs))
+    return sample_values(model, hidden, samples, logp)
+
+
+def sample_values(
+    model: Llama,
+    hidden: Sequence[torch.Tensor],
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor, Targets | None]],
+    logp: Sequence[bool] | None = None,
+) -> list[torch.Tensor]:
+    """Each sample's loss, or where ``logp[i]`` its sequence log-probability, from its response rows ``hidden``."""
     logp = logp or [False] * len(samples)
     return [sequence_logp(model, rows, response) if wants_logp else response_loss(model, rows, response, targets)
             for rows, (_, response, targets), wants_logp in zip(hidden, samples, logp, strict=True)]  # fmt: skip
+
+
+class LayerSplitPass:
+    """``recompute_losses``' forward and backward over (prompt ids, response ids) pairs, a layer per slice: each
+    layer's input is a leaf of its own graph, so the backward walks the layers from the top, handing each the
+    gradient of its output (the same products as one backward of the whole graph; the same memory: every layer's
+    graph lives until its backward)."""
+
+    def __init__(self, model: Llama, adapter: Adapter | None, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        self.model, self.adapter, self.pairs = model, adapter, pairs
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (input leaf, output) per layer
+        self._top: torch.Tensor | None = None
+
+    def forward_slices(self) -> Generator[None, None, list[torch.Tensor]]:
+        """The forward, a layer per slice -> each pair's R response rows (the loss's input; they require grad)."""
+        ids, positions, meta = _laid_end_to_end(self.pairs)
+        h = F.embedding(ids, self.model.embed)
+        rot = self.model.rope(positions, h.dtype, meta.max_position)
+        for layer in range(self.model.config.num_layers):
+            x = h if layer == 0 else h.detach().requires_grad_()
+            h = self.model.layer_forward(layer, x, rot, meta, COMPUTE, self.adapter)
+            self._layers.append((x, h))
+            yield
+        self._top = h.detach().requires_grad_()
+        return _response_rows(self._top, self.pairs)
+
+    def backward_slices(self, total: torch.Tensor) -> Generator[None, None, None]:
+        """Backward of ``total`` (a function of the response rows): the head's part, then a layer per slice; the
+        adapter's gradients accumulate as one backward's would."""
+        assert self._top is not None, "forward_slices first"
+        total.backward()
+        grad = self._top.grad
+        while self._layers:
+            x, out = self._layers.pop()
+            torch.autograd.backward(out, grad)
+            grad = x.grad
+            yield
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
 from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.protected import ProtectedSubspace
-from alchemist.training.recompute import recompute_losses
+from alchemist.training.recompute import LayerSplitPass, sample_values
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.seams import RecordSource
@@ -158,7 +158,7 @@ class Trainer:
         self, samples: list[Sample], loss_scales: list[float]
     ) -> Generator[None, None, list[tuple[float, bool]]]:
         """Accumulates the scaled gradients of a group of samples trained together: those with a usable record
-        replayed in one walk (in slices), the others recomputed in one forward and backward (one slice). Returns
+        replayed in one walk (in slices), the others recomputed in one forward and backward (a layer per slice). Returns
         (loss, whether it was replayed) of each sample."""
         device = self.model.device
         ids = [(torch.tensor(s.prompt_ids, device=device), torch.tensor(s.response_ids, device=device))
@@ -173,21 +173,23 @@ class Trainer:
             passes.update({i: (loss, True) for i, loss in (replayed or {}).items()})
         recompute = [i for i in range(len(samples)) if i not in passes]
         if recompute:
-            losses = self._recompute_group([samples[i] for i in recompute], [loss_scales[i] for i in recompute],
-                                           [ids[i] for i in recompute])  # fmt: skip
+            losses = yield from self._recompute_group_slices(
+                [samples[i] for i in recompute], [loss_scales[i] for i in recompute], [ids[i] for i in recompute])
             passes.update({i: (loss, False) for i, loss in zip(recompute, losses, strict=True)})
         for i, sample in enumerate(samples):
             # counted as soon as the group is done: /metrics reads the counters while a batch goes on
             self.stats.count_pass(len(sample.response_ids), passes[i][1], anchor=sample.targets is not None)
         return [passes[i] for i in range(len(samples))]
 
-    def _recompute_group(
+    def _recompute_group_slices(
         self, samples: list[Sample], loss_scales: list[float], ids: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> list[float]:
+    ) -> Generator[None, None, list[float]]:
         """One forward over the samples and one backward of their scaled losses (a preference objective's over its
-        samples' sequence log-probabilities); returns each sample's loss."""
+        samples' sequence log-probabilities), a layer per slice (``LayerSplitPass``); returns each sample's loss."""
+        split = LayerSplitPass(self.model, self.adapter, ids)
+        hidden = yield from split.forward_slices()
         group = [(*pair, s.targets) for pair, s in zip(ids, samples, strict=True)]
-        values = recompute_losses(self.model, self.adapter, group, [s.term is not None for s in samples])
+        values = sample_values(self.model, hidden, group, [s.term is not None for s in samples])
         losses = [v.item() if s.term is None else 0.0 for v, s in zip(values, samples, strict=True)]
         total = sum(v * scale for v, s, scale in zip(values, samples, loss_scales, strict=True) if s.term is None)
         preferred = [i for i, s in enumerate(samples) if s.term is not None]
@@ -197,7 +199,7 @@ class Trainer:
             total = total + objective
             for i, loss in zip(preferred, own, strict=True):
                 losses[i] = loss
-        total.backward()  # type: ignore[union-attr]
+        yield from split.backward_slices(total)  # type: ignore[arg-type]
         return losses
 
     def _replay_group_slices(

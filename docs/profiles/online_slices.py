@@ -4,8 +4,8 @@
 
 A slice is what serving waits for when a step is due (alchemist.server.async_engine): the longest ones bound how
 much a training turn can stretch a decode step. In process, as `alchemist serve --dtype auto` with `bench
-online`'s defaults runs it (the model in bf16 on a CPU that runs bf16 fast, else fp32; bf16 records; batches of 8,
-one epoch, anchors on): the workload's 48 prompts are served first (greedy, recorded, each completion offered as
+online`'s defaults runs it (the model in bf16 on a CPU that runs bf16 fast, else fp32; bf16 records; the training
+defaults: the evaluation gate, protected directions, anchors, rehearsal): the workload's 48 prompts are served first (greedy, recorded, each completion offered as
 an anchor), the 24 corrections written to a feedback log, then the trainer runs slice after slice with no serving
 in between until the log is trained. Each slice is labelled by where the trainer's generator stopped (its
 innermost function and line).
@@ -31,7 +31,7 @@ from alchemist.training.online import OnlineTrainer
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "replay"
 group_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-group_max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else OnlineConfig.group_max_tokens
+group_max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else TrainerConfig.group_max_tokens
 keep_freed_memory()
 loaded = load_model(None, dtype="auto")
 tok = loaded.tokenizer
@@ -53,9 +53,7 @@ print(f"served {len(served)} requests in {time.perf_counter() - t0:.1f} s; recor
 
 data = Path(tempfile.mkdtemp())
 log = FeedbackLog(data / "feedback.db")
-config = OnlineConfig(
-    batch_size=8,
-    epochs=1,
+config = OnlineConfig(  # the defaults, but every correction queued at once
     max_wait_s=0.0,
     trainer=TrainerConfig(replay=mode == "replay", group_size=group_size, group_max_tokens=group_max_tokens),
 )

@@ -10,7 +10,7 @@ import torch
 from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
 from alchemist.training.losses import Targets
-from alchemist.training.recompute import recompute_loss, recompute_losses
+from alchemist.training.recompute import LayerSplitPass, recompute_loss, recompute_losses, sample_values
 from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
@@ -96,6 +96,36 @@ def test_recomputed_together_equals_one_at_a_time(tiny_dirs):
     sum(loss * scale for loss, scale in zip(losses, SCALES, strict=True)).backward()
     assert [loss.item() for loss in losses] == pytest.approx(alone_losses, rel=1e-6)
     assert max_rel_l2(alone, grads_of(adapter)) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_the_layer_split_recompute_equals_one_backward_of_the_whole_graph(tiny_dirs, variant):
+    """The online trainer's recompute (``LayerSplitPass``: the graph cut at every layer, a layer per slice both ways)
+    gives the losses and gradients of one forward and one backward over the same samples, and pauses after every
+    layer of each."""
+    model = build_model(tiny_dirs[variant], torch.float32)
+    adapter = lora_with_nonzero_b(model)
+    samples = [(p, r, t) for p, r, _, t in make_samples(model, adapter)]
+    adapter.zero_grad(set_to_none=True)
+    whole = recompute_losses(model, adapter, samples)
+    sum(loss * scale for loss, scale in zip(whole, SCALES, strict=True)).backward()
+    reference = grads_of(adapter)
+
+    adapter.zero_grad(set_to_none=True)
+    split = LayerSplitPass(model, adapter, [(p, r) for p, r, _ in samples])
+    forward, pauses = split.forward_slices(), 0
+    while True:
+        try:
+            next(forward)
+            pauses += 1
+        except StopIteration as done:
+            hidden = done.value
+            break
+    losses = sample_values(model, hidden, samples)
+    pauses += sum(1 for _ in split.backward_slices(sum(v * s for v, s in zip(losses, SCALES, strict=True))))
+    assert pauses == 2 * model.config.num_layers
+    assert [v.item() for v in losses] == pytest.approx([v.item() for v in whole], rel=1e-6)
+    assert max_rel_l2(reference, grads_of(adapter)) <= 1e-6
 
 
 def test_trainer_groups_replay_and_recompute_samples(tiny_dirs):
