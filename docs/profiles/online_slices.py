@@ -5,9 +5,9 @@
 A slice is what serving waits for when a step is due (alchemist.server.async_engine): the longest ones bound how
 much a training turn can stretch a decode step. In process, as `alchemist serve --dtype auto` with `bench
 online`'s defaults runs it (the model in bf16 on a CPU that runs bf16 fast, else fp32; bf16 records; the training
-defaults: the evaluation gate, protected directions, anchors, rehearsal): the workload's 48 prompts are served first (greedy, recorded, each completion offered as
-an anchor), the 24 corrections written to a feedback log, then the trainer runs slice after slice with no serving
-in between until the log is trained. Each slice is labelled by where the trainer's generator stopped (its
+defaults: the evaluation gate, protected directions, anchors, rehearsal): the workload's 48 prompts are served
+first (greedy, recorded, each completion offered as an anchor), the 24 corrections written to a feedback log, then
+the trainer runs slice after slice with no serving in between until the log is trained. Each slice is labelled by where the trainer's generator stopped (its
 innermost function and line).
 """
 
