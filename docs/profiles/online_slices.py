@@ -7,8 +7,8 @@ much a training turn can stretch a decode step. In process, as `alchemist serve 
 online`'s defaults runs it (the model in bf16 on a CPU that runs bf16 fast, else fp32; bf16 records; the training
 defaults: the evaluation gate, protected directions, anchors, rehearsal): the workload's 48 prompts are served
 first (greedy, recorded, each completion offered as an anchor), the 24 corrections written to a feedback log, then
-the trainer runs slice after slice with no serving in between until the log is trained. Each slice is labelled by where the trainer's generator stopped (its
-innermost function and line).
+the trainer runs slice after slice with no serving in between until the log is trained. Each slice is labelled by
+where the trainer's generator stopped (its innermost function and line).
 """
 
 import argparse
