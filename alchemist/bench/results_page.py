@@ -117,9 +117,9 @@ def backlog_table(samples: list[dict], every_s: float) -> str:
     run's peak (marked)."""
     body = []
     for run in dict.fromkeys(s["backlog_of"] for s in samples):  # in the runs' order
-        series = [s for s in samples if s["backlog_of"] == run and "queued" in s]  # not a failed scrape's
         if run == "off":
             continue  # training off: its backlog is all its feedback, by design
+        series = [s for s in samples if s["backlog_of"] == run and "queued" in s]  # not a failed scrape's
         peak = max(series, key=lambda s: s["queued"])
         kept, next_t = [], 0.0
         for i, s in enumerate(series):

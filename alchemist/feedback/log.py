@@ -435,6 +435,7 @@ def _not_undone(undone: Sequence[Sequence[int]]) -> tuple[str, list[int]]:
     skip = " AND NOT (COALESCE(trained_version, 0) > ? AND COALESCE(trained_version, 0) <= ?)" * len(undone)
     return skip, [bound for lo_hi in undone for bound in lo_hi]
 
+
 def _entry(row: sqlite3.Row) -> FeedbackEntry:
     rejected = row["rejected_token_ids"]
     return FeedbackEntry(

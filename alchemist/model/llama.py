@@ -11,7 +11,7 @@ Tokens are flattened: hidden states are ``(T, hidden)`` for T tokens of possibly
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -150,12 +150,16 @@ class Llama(nn.Module):
         meta: AttentionMetadata,
         ops: Ops = COMPUTE,
         adapter: Adapter | None = None,
+        between: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Iterator[torch.Tensor]:
         """``forward`` one layer at a time: yields the hidden states after each layer (the last: the final ones),
-        so that a caller can pause between layers (the online trainer's slices)."""
+        so that a caller can pause between layers (the online trainer's slices). ``between``, if given, maps a
+        layer's output to the next layer's input (the layer-split recompute cuts the autograd graph there)."""
         h = F.embedding(input_ids, self.embed)
         rot = self.rope(positions, h.dtype, meta.max_position)
         for layer in range(self.config.num_layers):
+            if layer and between is not None:
+                h = between(h)
             h = self.layer_forward(layer, h, rot, meta, ops, adapter)
             yield h
 

@@ -425,7 +425,7 @@ class OnlineTrainer:
         last), ``rehearse_corrections`` at most and ``rehearse_max_tokens`` rows at most (one longer than that alone
         is passed over), none that a version a rollback undid trained; replayed from their records while those are
         fresh."""
-        count, budget = self.config.rehearse_corrections, self.config.rehearse_max_tokens or None
+        count, budget = self.config.rehearse_corrections, self.config.rehearse_max_tokens or math.inf
         if not count:
             return []
         entries = self.log.trained_corrections_after(self._rehearsed_through, count, self._undone)
@@ -436,10 +436,10 @@ class OnlineTrainer:
         taken, rows = [], 0
         for entry in entries:
             size = len(entry.prompt_token_ids) + len(entry.response_token_ids) - 1
-            if budget is not None and size > budget:
+            if size > budget:
                 self._rehearsed_through = entry.seq  # never fits: passed over
                 continue
-            if budget is not None and rows + size > budget:
+            if rows + size > budget:
                 break  # first in line next time
             taken.append(entry)
             rows += size

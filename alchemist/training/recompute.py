@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.llama import Adapter, Llama
-from alchemist.model.seam import COMPUTE
 from alchemist.training.losses import Targets, response_loss, sequence_logp
 from alchemist.training.slices import run_to_end
 
@@ -87,18 +85,20 @@ class LayerSplitPass:
 
     def __init__(self, model: Llama, adapter: Adapter | None, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         self.model, self.adapter, self.pairs = model, adapter, pairs
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (input leaf, output) per layer
+        self._layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (input leaf, output) per layer
         self._top: torch.Tensor | None = None
 
     def forward_slices(self) -> Generator[None, None, list[torch.Tensor]]:
         """The forward, a layer per slice -> each pair's R response rows (the loss's input; they require grad)."""
+        inputs: list[torch.Tensor | None] = [None]  # the first layer's input (the embeddings) needs no gradient
+
+        def cut(h: torch.Tensor) -> torch.Tensor:
+            inputs.append(h.detach().requires_grad_())
+            return inputs[-1]
+
         ids, positions, meta = _laid_end_to_end(self.pairs)
-        h = F.embedding(ids, self.model.embed)
-        rot = self.model.rope(positions, h.dtype, meta.max_position)
-        for layer in range(self.model.config.num_layers):
-            x = h if layer == 0 else h.detach().requires_grad_()
-            h = self.model.layer_forward(layer, x, rot, meta, COMPUTE, self.adapter)
-            self._layers.append((x, h))
+        for h in self.model.forward_layers(ids, positions, meta, adapter=self.adapter, between=cut):
+            self._layers.append((inputs[len(self._layers)], h))
             yield
         self._top = h.detach().requires_grad_()
         return _response_rows(self._top, self.pairs)
@@ -112,7 +112,7 @@ class LayerSplitPass:
         while self._layers:
             x, out = self._layers.pop()
             torch.autograd.backward(out, grad)
-            grad = x.grad
+            grad = None if x is None else x.grad
             yield
 
 
