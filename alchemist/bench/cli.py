@@ -198,7 +198,7 @@ def _soak(bsub: argparse._SubParsersAction) -> None:
     _model_flags(p)
     p.add_argument("--runs", nargs="+", default=["on", "off"], help="on: training on; off: --no-train")
     p.add_argument("--clients", type=int, default=16, help="streaming clients, each one request at a time")
-    p.add_argument("--minutes", type=float, default=5.0, help="how long each run's load lasts")
+    p.add_argument("--minutes", type=float, default=5.0, help="how long each run's load lasts after warm-up")
     p.add_argument("--correct-every", type=int, default=4, help="a correction on every k-th answer, thumbs on others")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens asked for per request; cap on corrections")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -207,6 +207,8 @@ def _soak(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-s", type=float, default=60.0, help="RSS after warm-up: the first sample past this...")
     p.add_argument("--warmup-version", type=int, default=0,
                    help="... at which the trainer's adapter version (optimizer steps) has reached this")  # fmt: skip
+    p.add_argument("--warmup-timeout-s", type=float, default=600.0,
+                   help="the load ends if warm-up has not come by then (the row's warm_s is then null)")  # fmt: skip
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra `alchemist serve` argument (repeatable): --serve-arg=--train-lr=1e-3")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,8 @@
                          [--max-tokens 64] [--sample-interval-s 5]
 
 Each run starts `alchemist serve` at its defaults (a fresh process and ``--data-dir``; ``off`` adds ``--no-train``)
-and keeps ``--clients`` streaming clients busy for ``--minutes``: each plays ShareGPT first turns one after the
+and keeps ``--clients`` streaming clients busy until ``--minutes`` after warm-up (below; at most
+``--warmup-timeout-s`` is waited for it, then the load ends, unwarmed): each plays ShareGPT first turns one after the
 other (the official ``openai`` client, streaming, greedy, ``--max-tokens`` asked for, its prompt recorded), then
 gives feedback on the answer: every ``--correct-every``-th answer a correction (the reference reply, cut to
 ``--max-tokens``), the others a thumbs up or down (alternating).
@@ -87,6 +88,10 @@ class RssSampler:
         self._thread.start()
         return self
 
+    def warm_at(self, warmup_s: float, warmup_version: int) -> float | None:
+        """The time of the first sample past warm-up (``rss_summary``'s), None before it."""
+        return next((s["t_s"] for s in list(self.samples) if _warm(s, warmup_s, warmup_version)), None)
+
     def stop(self) -> list[dict]:
         self._stop.set()
         self._thread.join()
@@ -114,13 +119,17 @@ def _round(mb: float | None) -> float | None:
     return None if mb is None else round(mb, 1)
 
 
+def _warm(sample: dict, warmup_s: float, warmup_version: int) -> bool:
+    return sample["t_s"] >= warmup_s and (sample.get("adapter_version") or 0) >= warmup_version
+
+
 def rss_summary(samples: list[dict], warmup_s: float, warmup_version: int = 0) -> dict:
     """RSS after warm-up (the first sample past ``warmup_s`` whose adapter version is at least ``warmup_version``;
     None if the run never got there), at the end, its peak; its growth from warm-up to the peak, of RSS and of RSS
     less the store's bytes; its settled growth, the median of the last quarter of the samples after warm-up less
     that of the first quarter (None below 8 samples); the slope (MB/min) of a least-squares line over the second
     half of the run after warm-up."""
-    after = [s for s in samples if s["t_s"] >= warmup_s and (s.get("adapter_version") or 0) >= warmup_version]
+    after = [s for s in samples if _warm(s, warmup_s, warmup_version)]
     half = [s for s in after if s["t_s"] >= (after[0]["t_s"] + after[-1]["t_s"]) / 2] if after else []
 
     def slope(key: str) -> float | None:
@@ -224,8 +233,8 @@ async def _one_turn(client, http: httpx.AsyncClient, url: str, sample, n: int, a
         tally.errors[str(answer.status_code)] += 1
 
 
-def run_load(url: str, samples: list, args: argparse.Namespace, duration_s: float) -> Tally:
-    """``args.clients`` closed-loop clients cycling through ``samples`` until ``duration_s`` has passed."""
+def run_load(url: str, samples: list, args: argparse.Namespace, done: Callable[[], bool]) -> Tally:
+    """``args.clients`` closed-loop clients cycling through ``samples`` until ``done()`` (asked before each turn)."""
     import openai
 
     tally = Tally()
@@ -233,11 +242,10 @@ def run_load(url: str, samples: list, args: argparse.Namespace, duration_s: floa
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         counter = iter(range(10**9))
-        end = time.perf_counter() + duration_s
         async with httpx.AsyncClient(timeout=600) as http:
 
             async def one_client() -> None:
-                while time.perf_counter() < end:
+                while not done():
                     n = next(counter)
                     await _one_turn(client, http, url, samples[n % len(samples)], n, args, tally)
 
@@ -272,7 +280,16 @@ def soak_run(args: argparse.Namespace, run: str, samples: list) -> tuple[dict, l
     try:
         rss = RssSampler(process.pid, args.sample_interval_s, lambda: scrape(url)).start()
         backlog = BacklogSampler(lambda: scrape(url), args.sample_interval_s).start()
-        tally = run_load(url, samples, args, args.minutes * 60)
+        warmup_version = args.warmup_version if run == "on" else 0  # off: version 0
+        t0 = time.perf_counter()
+
+        def done() -> bool:  # --minutes after warm-up, or warm-up never came
+            warm = rss.warm_at(args.warmup_s, warmup_version)
+            limit = args.warmup_timeout_s if warm is None else warm
+            return time.perf_counter() - t0 >= limit + (warm is not None) * args.minutes * 60
+
+        tally = run_load(url, samples, args, done)
+        load_s = time.perf_counter() - t0
         backlog_samples = [{"backlog_of": run, **s} for s in backlog.stop()]
         rss_samples = [{"rss_of": run, **s} for s in rss.stop()]
         gates = gate_costs(url, run)
@@ -285,10 +302,10 @@ def soak_run(args: argparse.Namespace, run: str, samples: list) -> tuple[dict, l
     row = {
         "run": run, "allocator": allocator and allocator.group(1), "clients": args.clients, "minutes": args.minutes,
         "requests": tally.requests,
-        "req_s": round(tally.requests / (args.minutes * 60), 2), "feedback": tally.feedback,
+        "load_s": round(load_s, 1), "req_s": round(tally.requests / load_s, 2), "feedback": tally.feedback,
         "corrections": tally.corrections, "errors": sum(tally.errors.values()), "errors_429": tally.errors["429"],
         "errors_by": ",".join(f"{k}:{v}" for k, v in sorted(tally.errors.items())) or None,
-        **rss_summary(rss_samples, args.warmup_s, args.warmup_version if run == "on" else 0),  # off: version 0
+        **rss_summary(rss_samples, args.warmup_s, warmup_version),
         "backlog_max": max(queued, default=None), "backlog_end": queued[-1] if queued else None,
         "versions": len(gates), "evaluation_s": round(sum(g["evaluation_s"] for g in gates), 1),
         "evaluation_share": round(sum(g["evaluation_s"] for g in gates) / sum(g["train_s"] for g in gates), 3)
@@ -303,11 +320,13 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--runs: unknown run {run!r}; choose from {list(RUNS)}")
     if args.clients < 1 or args.minutes <= 0 or args.correct_every < 1 or args.sample_interval_s <= 0:
         raise ValueError("--clients and --correct-every must be >= 1, --minutes and --sample-interval-s > 0")
+    if args.warmup_timeout_s < args.warmup_s:
+        raise ValueError("--warmup-timeout-s must be at least --warmup-s")
     tokenizer = Tokenizer.from_pretrained(hf_dir_for(args.model))
     samples = sample_requests(args.num_prompts, seed=args.seed, mode="first_turn", tokenizer=tokenizer,
                               max_prompt_tokens=args.max_prompt_tokens, max_reply_tokens=args.max_tokens)  # fmt: skip
     note = (
-        f"# {args.clients} streaming clients for {args.minutes} min, {len(samples)} ShareGPT first turns "
+        f"# {args.clients} streaming clients for {args.minutes} min after warm-up, {len(samples)} ShareGPT first turns "
         f"(<= {args.max_prompt_tokens} prompt tokens), {args.max_tokens} tokens asked for, a correction every "
         f"{args.correct_every}th answer, thumbs on the others; dtype {args.dtype}; {os.cpu_count()} CPUs, "
         f"{platform.processor() or platform.machine()}, load average at start {os.getloadavg()[0]:.1f}"
