@@ -241,6 +241,7 @@ def bench_run(args: argparse.Namespace, run: str, work: Workload) -> tuple[dict,
         for e in [r for r in results if not isinstance(r, RequestResult)][:3]:
             print(f"# {run}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
         row = summarize(run, done, len(results) - len(done), duration_s)
+        row.update(waits(before, after_load))
         if run != "off":
             last_seq = max((r.feedback_seq for r in done if r.feedback_seq is not None), default=0)
             drain_start = time.perf_counter()
@@ -271,6 +272,22 @@ def summarize(run: str, results: list[RequestResult], failed: int, duration_s: f
         "req_s": round(len(results) / duration_s, 3),
         "output_tok_s": round(tokens / duration_s, 1),
         **latency_fields(results),
+    }
+
+
+def waits(before: dict, after_load: dict) -> dict:
+    """What serving's steps took and waited for during the load, from /metrics' histograms: engine steps (and those
+    over 100 ms), training slices run while requests were in flight (their seconds, those over 100 ms: a due step
+    waited for each)."""
+    step, piece = "alchemist:engine_step_seconds", "alchemist:training_slice_seconds"
+    delta = lambda name: after_load.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731  (no slices: absent)
+    slices, slices_fast = piece + '_count{serving="yes"}', piece + '_bucket{le="0.1",serving="yes"}'
+    return {
+        "steps_load": int(delta(step + "_count")),
+        "steps_over_100ms_load": int(delta(step + "_count") - delta(step + '_bucket{le="0.1"}')),
+        "slices_load": int(delta(slices)),
+        "slice_s_load": round(delta(piece + '_sum{serving="yes"}'), 1),
+        "slices_over_100ms_load": int(delta(slices) - delta(slices_fast)),
     }
 
 

@@ -235,8 +235,8 @@ def app_for_engine(
     time_share = None
     if trainer is not None:
         share, quantum_s = online_config.train_share, online_config.train_quantum_s
-        time_share = TimeShare(trainer, engine.has_arrivals, share, quantum_s)
-    async_engine = AsyncEngine(engine, metrics.observe, own_step_thread, time_share)
+        time_share = TimeShare(trainer, engine.has_arrivals, share, quantum_s, metrics.observe_slice)
+    async_engine = AsyncEngine(engine, metrics.observe, own_step_thread, time_share, metrics.observe_step)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None

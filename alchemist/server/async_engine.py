@@ -86,8 +86,10 @@ class AsyncEngine:
         on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None,
         own_step_thread: bool = True,
         time_share: TimeShare | None = None,
+        on_step_s: Callable[[float], None] | None = None,
     ):
         self.engine = engine
+        self.on_step_s = on_step_s  # called in the stepping thread with each step's seconds (metrics)
         self.time_share = time_share  # training's slices between steps (None: serving only)
         self.on_outputs = on_outputs  # called in the stepping thread after each step (metrics)
         # False: the caller runs run_steps() in a thread of its choosing (the main thread; see the module note).
@@ -192,8 +194,11 @@ class AsyncEngine:
                 self.on_outputs(outputs)
             if outputs:
                 self._call_soon(self._dispatch, outputs)
+            step_s = time.perf_counter() - t0
+            if self.on_step_s is not None:
+                self.on_step_s(step_s)
             if self.time_share is not None:
-                self.time_share.after_step(time.perf_counter() - t0)
+                self.time_share.after_step(step_s)
 
     def _background_ready(self) -> bool:
         return self.time_share is not None and self.time_share.ready()

@@ -26,6 +26,8 @@ PREFIX = "alchemist:"
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+# Engine steps and training slices: what a decode waits for (a slice over 0.1 s stretches a token's gap severalfold).
+STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineStatsCollector(Collector):
@@ -211,6 +213,16 @@ class ServerMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
         self.feedback = Counter(PREFIX + "feedback", "Feedback entries logged, by kind.", ["kind"], registry=r)
+        self.step = Histogram(PREFIX + "engine_step_seconds", "Engine steps (requests in flight).",
+                              buckets=STEP_BUCKETS_S, registry=r)  # fmt: skip
+        self.slice = Histogram(
+            PREFIX + "training_slice_seconds",
+            "Training slices run between engine steps, by whether requests were in flight (serving=yes: a due step "
+            "waited for the slice) or not (a request that arrives waits for one slice at most).",
+            ["serving"],
+            buckets=STEP_BUCKETS_S,
+            registry=r,
+        )
         for kind in KINDS:  # every kind from 0, so that rates exist before the first entry of a kind
             self.feedback.labels(kind=kind)
         r.register(_EngineStatsCollector(read_stats))
@@ -233,6 +245,14 @@ class ServerMetrics:
                 self.ttft.observe(t.ttft_s)
                 self.tpot.observe(t.tpot_s)
                 self.recent.add(t.ttft_s, t.tpot_s)
+
+    def observe_step(self, seconds: float) -> None:
+        """An engine step's time (the stepping thread)."""
+        self.step.observe(seconds)
+
+    def observe_slice(self, seconds: float, serving: bool) -> None:
+        """A training slice's time, and whether requests were in flight (the stepping thread)."""
+        self.slice.labels(serving="yes" if serving else "no").observe(seconds)
 
     def observe_feedback(self, entry: FeedbackEntry) -> None:
         """A FeedbackLog listener: called once per new entry (repeats of a submission are not new)."""

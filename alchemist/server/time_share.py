@@ -44,10 +44,17 @@ class BackgroundWork(Protocol):
 
 class TimeShare:
     def __init__(
-        self, work: BackgroundWork, has_arrivals: Callable[[], bool], share: float = 0.2, quantum_s: float = 0.0
+        self,
+        work: BackgroundWork,
+        has_arrivals: Callable[[], bool],
+        share: float = 0.2,
+        quantum_s: float = 0.0,
+        on_slice: Callable[[float, bool], None] | None = None,
     ) -> None:
-        """``has_arrivals``: whether a request was added since the last engine step began (the engine's)."""
+        """``has_arrivals``: whether a request was added since the last engine step began (the engine's);
+        ``on_slice(seconds, serving)``: told each slice's time and whether requests were in flight (metrics)."""
         self.work = work
+        self.on_slice = on_slice
         self.has_arrivals = has_arrivals
         self.share = share
         self.quantum_s = quantum_s
@@ -74,17 +81,20 @@ class TimeShare:
         "Soak")."""
         turn_s = 0.0
         while self.credit_s > 0 and self.ready():
-            took_s = self.run_slice()
+            took_s = self.run_slice(serving=True)
             self.credit_s -= took_s
             turn_s += took_s
             if (turn_s >= self.quantum_s or self.has_arrivals()) and self.credit_s < MAX_CREDIT_S:
                 return
 
-    def run_slice(self) -> float:
-        """One slice; returns the seconds it took (0 if it failed: the worker handles its own failures, this
-        only keeps serving alive)."""
+    def run_slice(self, serving: bool = False) -> float:
+        """One slice (``serving``: with requests in flight); returns the seconds it took (0 if it failed: the
+        worker handles its own failures, this only keeps serving alive)."""
         try:
-            return self.work.run_slice()
+            took_s = self.work.run_slice()
         except Exception:
             logger.exception("background work failed")
             return 0.0
+        if self.on_slice is not None and took_s > 0:
+            self.on_slice(took_s, serving)
+        return took_s

@@ -32,6 +32,10 @@ def test_bench_online_tiny():
             assert r[field] is not None and math.isfinite(r[field]) and r[field] > 0, (r["run"], field)
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"]
         assert r["itl_p50_ms"] <= r["itl_p99_ms"]
+        # /metrics' histograms over the load: every step counted, slices only where training ran
+        assert r["steps_load"] >= 8 and 0 <= r["steps_over_100ms_load"] <= r["steps_load"]
+        assert 0 <= r["slices_over_100ms_load"] <= r["slices_load"] and r["slice_s_load"] >= 0
+    assert runs["off"]["slices_load"] == 0
     assert all(runs["off"][f] is None for f in TRAINING_FIELDS)
     for name in ("replay", "recompute"):
         r = runs[name]

@@ -42,3 +42,18 @@ def test_preference_passes_without_gradient_by_kind_and_path():
     for kind, path, value in (("reference", "replay", 8), ("reference", "recompute", 2), ("kl", "replay", 5),
                               ("kl", "recompute", 1)):  # fmt: skip
         assert f'alchemist:training_logp_passes_total{{kind="{kind}",path="{path}"}} {value}.0' in text
+
+
+def test_engine_steps_and_training_slices_histograms():
+    metrics = ServerMetrics(lambda: _stats())
+    for seconds in (0.004, 0.02, 0.25):
+        metrics.observe_step(seconds)
+    metrics.observe_slice(0.04, serving=True)
+    metrics.observe_slice(0.3, serving=True)
+    metrics.observe_slice(0.06, serving=False)
+    text = metrics.render().decode()
+    assert "alchemist:engine_step_seconds_count 3.0" in text
+    assert 'alchemist:engine_step_seconds_bucket{le="0.1"} 2.0' in text
+    assert 'alchemist:training_slice_seconds_count{serving="yes"} 2.0' in text
+    assert 'alchemist:training_slice_seconds_bucket{le="0.1",serving="yes"} 1.0' in text
+    assert 'alchemist:training_slice_seconds_count{serving="no"} 1.0' in text

@@ -35,6 +35,7 @@ class Slices:
         self.engine, self.add_at, self.add_at_step, self.add_every_step = engine, add_at, add_at_step, add_every_step
         self.step_pad_s = step_pad_s  # a step lasts this much longer (the callback runs inside the timed step)
         self.events: list[tuple[str, float]] = []  # ("step", 0.0) | ("slice" or "slice+add", seconds)
+        self.observed: list[tuple[str, float, bool]] = []  # what the metrics hooks were told: ("slice", s, serving)
         self.active = self.done = False
 
     def has_work(self) -> bool:
@@ -86,8 +87,10 @@ def serve(
     work = Slices(engine, add_at, add_at_step, add_every_step, step_pad_s)
 
     async def one_request() -> None:
-        share = TimeShare(work, engine.has_arrivals, share=0.5, quantum_s=quantum_s)
-        async_engine = AsyncEngine(engine, on_outputs=work.on_step, time_share=share)
+        on_slice = lambda s, serving: work.observed.append(("slice", s, serving))  # noqa: E731
+        on_step_s = lambda s: work.observed.append(("step", s, True))  # noqa: E731
+        share = TimeShare(work, engine.has_arrivals, share=0.5, quantum_s=quantum_s, on_slice=on_slice)
+        async_engine = AsyncEngine(engine, on_outputs=work.on_step, time_share=share, on_step_s=on_step_s)
         async_engine.start()
         try:
             params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -123,6 +126,18 @@ def test_training_takes_turns_of_the_quantum(tiny_dirs, quantum_s, credit_never_
 def test_without_a_quantum_a_slice_follows_a_step(tiny_dirs, credit_never_full):
     turns = serve(tiny_dirs, 0.0).turns()
     assert len(turns) >= 3 and all(len(turn) == 1 for turn in turns)
+
+
+def test_the_metrics_hooks_see_every_step_and_slice(tiny_dirs, credit_never_full):
+    """/metrics' engine_step_seconds and training_slice_seconds are fed by these hooks: each slice with its time and
+    serving=True (requests were in flight), each step's time, in the order they ran."""
+    work = serve(tiny_dirs, 0.0)
+    slices = [took for kind, took in work.events if kind.startswith("slice")]
+    assert len(slices) >= 3
+    assert [(s, serving) for kind, s, serving in work.observed if kind == "slice"] == [(s, True) for s in slices]
+    assert [k for k, _, _ in work.observed] == ["step" if k.startswith("step") else "slice" for k, _ in work.events]
+    # a step's time as the engine thread timed it, the test's own pad (inside the timed step) included
+    assert all(s > 0 for k, s, _ in work.observed if k == "step")
 
 
 def test_an_arriving_request_ends_the_turn(tiny_dirs, credit_never_full):
