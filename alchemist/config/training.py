@@ -79,6 +79,11 @@ class OnlineConfig:
     epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 8
     target_loss: Annotated[float, flag("train-target-loss", "a mini-batch's steps end once every correction's loss "
                                        "(mean per token) is under this (0: always --train-epochs)")] = 0.2  # fmt: skip
+    # ... unless corrections queue up behind it: then it ends at the step where one has waited yield_after_s, so that
+    # under a load of corrections every batch still trains and the backlog does not grow by 8 steps a batch
+    # (docs/benchmarks.md, "Online loop"; what such a batch did not learn, rehearsal revisits).
+    yield_after_s: Annotated[float, flag("train-yield-after-s", "a mini-batch's steps after the first end once "
+                                         "a correction queued behind it waited so long (0: never)")] = 60.0  # fmt: skip
     lora_r: Annotated[int, flag("lora-r", "the adapter's rank")] = 16
     lora_alpha: Annotated[float, flag("lora-alpha", "the adapter's scale numerator (alpha / r)")] = 32.0
     # The adapter's A stays orthogonal to the directions holding this share of ordinary chat's inputs at each seam
@@ -180,7 +185,8 @@ class OnlineConfig:
                             "anchor_max_tokens", "anchor_pool_size")  # fmt: skip
         check_non_negative(self, "sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight",
                            "kto_undesirable_weight", "skip_ratings_after_s", "skip_corrections_after_s",
-                           "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s")  # fmt: skip
+                           "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s",
+                           "yield_after_s")  # fmt: skip
         check_non_negative(self, "anchor_known_facts", "rehearse_corrections", "rehearse_max_tokens",
                            integer=True)
         check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",

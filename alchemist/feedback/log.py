@@ -348,6 +348,16 @@ class FeedbackLog:
                 (reason, time.time(), created_before_s, *classes),
             ).rowcount
 
+    def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
+        """When the longest-waiting queued entry of class ``cls`` (``CLASSES``) not among the seqs ``excluding``
+        arrived (or was released from quarantine), as created_s; None if there is none."""
+        marks = ", ".join("?" * len(excluding))
+        with self._lock:
+            return self._conn.execute(
+                f"SELECT MIN(COALESCE(released_s, created_s)) FROM feedback WHERE state = 'queued' AND {CLASS} = ? "
+                f"AND seq NOT IN ({marks})", (cls, *excluding),
+            ).fetchone()[0]  # fmt: skip
+
     def settled_through(self, excluding: Sequence[int] = ()) -> int:
         """The largest seq up to which every entry is settled (trained, skipped, or quarantined: held for now; a
         released one trains later, first in line, however far the position moved) or among ``excluding``."""

@@ -262,6 +262,7 @@ class OnlineTrainer:
         anchor_scales = [self.config.anchor_weight / len(anchors)] * len(anchors) if anchors else []
         extra, extra_scales = rehearsed + anchors, rehearsed_scales + anchor_scales
         steps: list[tuple[list[Sample], StepResult]] = []
+        yielded = False  # the steps ended early for corrections waiting behind the batch
         for epoch in range(self.config.epochs):
             samples, scales = yield from feedback.samples_slices(self.trainer)  # z0 under this adapter
             screen = partial(self._screen, batch, feedback, len(samples)) if epoch == 0 else None
@@ -272,7 +273,10 @@ class OnlineTrainer:
             steps.append((samples, step))
             if self._reached_target(samples, step.passes):
                 break
-        metrics = self._batch_metrics(feedback, rehearsed, anchors, steps)
+            if epoch + 1 < self.config.epochs and self._yields(batch):
+                yielded = True
+                break
+        metrics = {**self._batch_metrics(feedback, rehearsed, anchors, steps), "yielded": yielded}
         evaluation = yield from self._evaluate_slices(facts, taught_before)
         if evaluation is None or evaluation.promoted:
             yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
@@ -400,6 +404,15 @@ class OnlineTrainer:
         target = self.config.target_loss
         return bool(target) and all(loss < target for s, (loss, _) in zip(samples, results, strict=False)
                                     if s.term is None)  # fmt: skip
+
+    def _yields(self, batch: list[tuple[FeedbackEntry, Item]]) -> bool:
+        """Whether the batch's further steps yield to the backlog: a correction queued behind it has waited
+        ``yield_after_s`` (the batch's own entries are still queued too: not counted)."""
+        after_s = self.config.yield_after_s
+        if not after_s:
+            return False
+        oldest = self.log.oldest_queued("correction", excluding=[entry.seq for entry, _ in batch])
+        return oldest is not None and time.time() - oldest >= after_s
 
     def _anchors_slices(self) -> Generator[None, None, list[Sample]]:
         """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``)

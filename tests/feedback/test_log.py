@@ -230,6 +230,19 @@ def test_trained_corrections_leave_out_what_a_rollback_undid(log: FeedbackLog):
     assert log.trained_corrections(10, [[0, 5]]) == []
 
 
+def test_the_oldest_queued_entry_of_a_class_outside_a_batch(log: FeedbackLog):
+    """What a batch in training yields to: the longest-waiting queued correction that is not its own."""
+    seqs = [log.append(**submission(f"r{i}", correction=f"Fact {i}."))[0].seq for i in range(3)]
+    thumb = log.append(**submission("thumb"))[0]
+    created = {e.seq: e.created_s for e in log.read()}
+    assert log.oldest_queued("correction") == created[seqs[0]]
+    assert log.oldest_queued("correction", excluding=seqs[:2]) == created[seqs[2]]
+    assert log.oldest_queued("correction", excluding=seqs) is None
+    assert log.oldest_queued("thumbs_up") == thumb.created_s
+    log.mark_trained(seqs[2:], 1)
+    assert log.oldest_queued("correction", excluding=seqs[:2]) is None  # trained: no longer waiting
+
+
 def test_a_quarantined_entry_is_settled_for_now_and_released_first_in_line(log: FeedbackLog):
     seqs = [log.append(**submission(f"r{i}"))[0].seq for i in range(3)]
     assert log.mark_quarantined(seqs[0], "loss is nan", float("nan")) and not log.mark_quarantined(seqs[0], "x", 1.0)

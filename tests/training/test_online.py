@@ -116,6 +116,20 @@ def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_pa
     assert trainer.version == metrics["epochs"]  # a step per epoch run
 
 
+@pytest.mark.parametrize("yield_after_s", [1e-3, 0.0])
+def test_a_batch_yields_its_further_steps_to_corrections_waiting_behind_it(engine, tmp_path, yield_after_s):
+    """Under a backlog of corrections a batch ends after the step at which one behind it has waited
+    ``yield_after_s`` (here: at once, so after its first step), unless that is 0; the last batch, with nothing
+    behind it, takes all its epochs (no target: ``target_loss`` 0)."""
+    trainer, log, checkpoints = online(engine, tmp_path, epochs=3, batch_size=2, yield_after_s=yield_after_s)
+    serve_and_log(engine, log, 3)
+    drain(trainer)
+    first, last = (v.metrics for v in checkpoints.versions())
+    assert (first["epochs"], first["yielded"]) == ((1, True) if yield_after_s else (3, False))
+    assert (last["epochs"], last["yielded"]) == (3, False)
+    assert [e.state for e in log.read()] == ["trained"] * 3
+
+
 def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, tmp_path):
     """Each batch also trains ``rehearse_corrections`` corrections trained before (SFT), the next ones of the log in
     turn, starting over after the last; the batch's own feedback and its target are unchanged."""
