@@ -176,6 +176,7 @@ BAD_FLAGS = [
     (["--train-target-loss", "-1"], "--train-target-loss must be >= 0"),
     (["--train-max-wait-s", "-1"], "--train-max-wait-s must be >= 0"),
     (["--train-yield-after-s", "-1"], "--train-yield-after-s must be >= 0"),
+    (["--train-anchor-max-rows", "-1"], "--train-anchor-max-rows must be an integer >= 0"),
     (["--train-seed", "-1"], "--train-seed must be an integer >= 0"),
     (["--train-gate-heldout-max-rise", "0"], "--train-gate-heldout-max-rise must be positive"),
     (["--train-gate-canary-max-drop", "0"], "--train-gate-canary-max-drop must be positive"),

@@ -108,6 +108,10 @@ class OnlineConfig:
     anchor_samples: Annotated[int, flag("train-anchor-samples", "recent served completions per step")] = 16
     anchor_top_k: Annotated[int, flag("train-anchor-top-k", "base-model tokens kept per anchor position")] = 32
     anchor_max_tokens: Annotated[int, flag("train-anchor-max-tokens", "response tokens of an anchor")] = 64
+    # Their prompts go through the model whole: on long chats 16 anchors were most of a step's rows and the trainer
+    # fell behind (docs/benchmarks.md, "Online loop"); short questions' 16 fit (about 1,450 rows).
+    anchor_max_rows: Annotated[int, flag("train-anchor-max-rows", "rows (prompt + response tokens) of the served "
+                                         "anchors per step at most: the most recent that fit (0: no limit)")] = 2048
     anchor_pool_size: Annotated[int, flag("train-anchor-pool-size", "served completions kept as candidate "
                                           "anchors")] = 256  # fmt: skip
     # ... and on this many well-known facts asked and answered, taken in turn from a fixed list: a fact taught in a
@@ -188,7 +192,7 @@ class OnlineConfig:
                            "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s",
                            "yield_after_s")  # fmt: skip
         check_non_negative(self, "anchor_known_facts", "rehearse_corrections", "rehearse_max_tokens",
-                           integer=True)
+                           "anchor_max_rows", integer=True)
         check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",
                        "gate_canary_max_mean_drop", "gate_taught_max_rise")  # fmt: skip
         check_non_negative(self, "gate_taught_samples", "loss_spike_warmup", "seed", "rollback_min_ratings",

@@ -31,6 +31,7 @@ otherwise; only its loss differs (``alchemist.training.losses``).
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
@@ -127,10 +128,20 @@ class AnchorPool:
             while len(self._excluded) > self.max_excluded:
                 self._excluded.popitem(last=False)
 
-    def recent(self, count: int) -> list[Anchor]:
-        """The ``count`` most recent anchors, newest first."""
+    def recent(self, count: int, max_rows: float = math.inf, max_response: int | None = None) -> list[Anchor]:
+        """The ``count`` most recent anchors, newest first, that fit in ``max_rows`` rows together (an anchor's
+        rows: its prompt and its response's first ``max_response`` tokens, less one); one that does not fit in what
+        is left is passed over for older ones."""
+        taken: list[Anchor] = []
         with self._lock:
-            return list(reversed(self._anchors.values()))[:count]
+            for anchor in reversed(self._anchors.values()):
+                if len(taken) == count:
+                    break
+                rows = len(anchor.prompt_ids) + len(anchor.response_ids[:max_response]) - 1
+                if rows <= max_rows:
+                    taken.append(anchor)
+                    max_rows -= rows
+        return taken
 
     def __len__(self) -> int:
         with self._lock:

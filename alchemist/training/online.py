@@ -415,13 +415,14 @@ class OnlineTrainer:
         return oldest is not None and time.time() - oldest >= after_s
 
     def _anchors_slices(self) -> Generator[None, None, list[Sample]]:
-        """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``)
-        and the next known facts, each with the base model's top-k distribution there (computed once per anchor,
-        ``group_size`` anchors per forward, a slice per layer)."""
+        """The batch's anchors: the most recent served completions (their responses' first ``anchor_max_tokens``;
+        ``anchor_max_rows`` rows at most together) and the next known facts, each with the base model's top-k
+        distribution there (computed once per anchor, ``group_size`` anchors per forward, a slice per layer)."""
         if not self.config.anchor_weight:
             return []
         c = self.config
-        recent = self.anchors.recent(c.anchor_samples) + self._next_known_facts()
+        served = self.anchors.recent(c.anchor_samples, c.anchor_max_rows or math.inf, c.anchor_max_tokens)
+        recent = served + self._next_known_facts()
         anchors = [(anchor, anchor.response_ids[: c.anchor_max_tokens]) for anchor in recent]
         new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
         for start in range(0, len(new), c.trainer.group_size):

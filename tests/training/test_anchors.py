@@ -135,6 +135,29 @@ def test_pool_keeps_the_most_recent_and_never_a_prompt_with_feedback():
         AnchorPool(max_size=0)
 
 
+def test_pool_takes_the_most_recent_that_fit_in_the_rows():
+    """An anchor's rows: its prompt and its response's first ``max_response`` tokens, less one; one that does not
+    fit in what is left is passed over for older ones."""
+    pool = AnchorPool()
+    for i, (prompt_len, response_len) in enumerate([(3, 2), (2, 9), (10, 2), (4, 4), (2, 2)]):
+        pool.offer(Anchor(f"r{i}", list(range(prompt_len)), list(range(response_len))))
+    # rows newest first (responses cut to 3): r4 3, r3 6, r2 11, r1 4, r0 4
+    assert [a.response_id for a in pool.recent(10, max_rows=13, max_response=3)] == ["r4", "r3", "r1"]
+    assert [a.response_id for a in pool.recent(2, max_rows=13, max_response=3)] == ["r4", "r3"]
+    assert [a.response_id for a in pool.recent(10, max_rows=2)] == []
+    assert len(pool.recent(10)) == 5  # no bound
+
+
+def test_the_trainer_bounds_its_served_anchors_rows(engine, tmp_path):
+    trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=4, anchor_max_tokens=3, anchor_max_rows=12,
+                                       epochs=1)  # fmt: skip
+    for i in range(4):  # rows 4 + 3 - 1 = 6 each: two fit
+        trainer.anchors.offer(Anchor(f"a{i}", [1, 2, 3, 4 + i], [5, 6, 7, 8]))
+    serve_and_log(engine, log, 2)
+    drain(trainer)
+    assert trainer.stats.anchor_samples == 2 and checkpoints.versions()[-1].metrics["anchors"] == 2
+
+
 def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):
     trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=3, epochs=1, batch_size=2)
     prompts = random_prompts([30, 33, 36, 39], seed=9)
