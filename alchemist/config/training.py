@@ -86,6 +86,12 @@ class OnlineConfig:
                                          "a correction queued behind it waited so long (0: never)")] = 60.0  # fmt: skip
     lora_r: Annotated[int, flag("lora-r", "the adapter's rank")] = 16
     lora_alpha: Annotated[float, flag("lora-alpha", "the adapter's scale numerator (alpha / r)")] = 32.0
+    # Thumbs and pairs change ordinary chat, which the protected directions and the anchors keep as it was: through
+    # the corrections' ranks they were not learned (alchemist.training.rank_split; docs/benchmarks.md, "Thumbs and
+    # pairs").
+    preference_r: Annotated[int, flag("lora-preference-r", "more adapter ranks that only thumbs and preference "
+                                      "pairs train, free of the protected directions and the anchors (0: they "
+                                      "train the corrections' ranks)")] = 8  # fmt: skip
     # The adapter's A stays orthogonal to the directions holding this share of ordinary chat's inputs at each seam
     # (alchemist.training.protected): corrections are learned without moving unrelated answers as much.
     protect_energy: Annotated[float, flag("train-protect-energy", "share of ordinary chat's input directions the "
@@ -192,7 +198,7 @@ class OnlineConfig:
                            "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s",
                            "yield_after_s")  # fmt: skip
         check_non_negative(self, "anchor_known_facts", "rehearse_corrections", "rehearse_max_tokens",
-                           "anchor_max_rows", integer=True)
+                           "anchor_max_rows", "preference_r", integer=True)
         check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",
                        "gate_canary_max_mean_drop", "gate_taught_max_rise")  # fmt: skip
         check_non_negative(self, "gate_taught_samples", "loss_spike_warmup", "seed", "rollback_min_ratings",

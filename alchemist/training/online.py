@@ -60,12 +60,20 @@ from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeig
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
+from alchemist.training.rank_split import RankSplit
 from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, StepResult, Trainer
 
 logger = logging.getLogger(__name__)
+
+
+def adapter_config(config: OnlineConfig) -> LoraConfig:
+    """The adapter's: ``lora_r`` ranks plus ``preference_r`` ranks only thumbs and pairs train, scaled as
+    ``lora_r`` ranks alone would be (alpha / r = lora_alpha / lora_r)."""
+    r = config.lora_r + config.preference_r
+    return LoraConfig(r=r, alpha=config.lora_alpha * r / config.lora_r)
 
 
 class OnlineTrainer:
@@ -86,9 +94,10 @@ class OnlineTrainer:
         self.log = log
         self.checkpoints = checkpoints
         self.config = config
-        lora = LoraConfig(r=config.lora_r, alpha=config.lora_alpha)
-        self.adapter = LoraAdapter(model.config, lora, device=model.device, seed=config.seed)
+        self.adapter = LoraAdapter(model.config, adapter_config(config), device=model.device, seed=config.seed)
         self.trainer = Trainer(model, self.adapter, store, config.trainer)
+        if config.preference_r:  # its last ranks only thumbs and pairs train (alchemist.training.rank_split)
+            self.trainer.split = RankSplit(self.adapter, config.preference_r)
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.known_facts = known_fact_anchors(tokenizer) if config.anchor_known_facts else []
         self._known_next = 0  # the next known fact to anchor on (they are taken in turn, batch by batch)
@@ -178,7 +187,8 @@ class OnlineTrainer:
         if adapter.config.r != self.adapter.config.r or adapter.config.alpha != self.adapter.config.alpha:
             raise ValueError(
                 f"adapter version {version} has r={adapter.config.r}, alpha={adapter.config.alpha}; this trainer is "
-                f"configured with lora_r={self.config.lora_r}, lora_alpha={self.config.lora_alpha}"
+                f"configured with lora_r={self.config.lora_r}, preference_r={self.config.preference_r}, "
+                f"lora_alpha={self.config.lora_alpha} (r={self.adapter.config.r}, alpha={self.adapter.config.alpha})"
             )
         self.adapter.load_state_dict(adapter.state_dict())
         self.trainer.optimizer.load_state_dict(optimizer_state)
@@ -295,7 +305,7 @@ class OnlineTrainer:
             )
             logger.info("protected directions: %s", self.trainer.protected.describe())
         if self.trainer.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
-            self.trainer.protected.project_(self.adapter)
+            self.trainer.protected.project_(self.adapter, self.trainer.split)
         return anchors
 
     def _taught_slices(self) -> Generator[None, None, tuple[list[Pair], list[float]]]:

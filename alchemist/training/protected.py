@@ -38,6 +38,7 @@ from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.tokenizer import Tokenizer
+from alchemist.training.rank_split import RankSplit
 from alchemist.training.recompute import responses_hidden_slices
 
 ORDINARY_FILE = Path(__file__).with_name("ordinary_sharegpt.json")
@@ -147,11 +148,11 @@ class ProtectedSubspace:
         return f"{kept} of {total} input directions over {len(self.bases)} seams, {mib:.0f} MiB"
 
     @torch.no_grad()
-    def project_(self, adapter: LoraAdapter) -> None:
+    def project_(self, adapter: LoraAdapter, split: RankSplit | None = None) -> None:
         """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T, or A <- (A F) F^T
-        with the free directions F."""
+        with the free directions F. With ``split``, only the rows of its shared ranks (preferences' are free)."""
         for key, basis in self.bases.items():
-            a = adapter.A[key]
+            a = adapter.A[key] if split is None else split.a_rows(adapter.A[key], preference=False)
             inside = ((a.float() @ basis) @ basis.t()).to(a.dtype)
             if key in self.free:
                 a.copy_(inside)

@@ -2,7 +2,8 @@
 
 ``Trainer.step_slices`` is the story, top to bottom: fetch each sample's record -> replay it (or recompute the
 prompt) -> loss -> backward (accumulated over the batch) -> update (clip, optimizer step, protected directions out)
--> the adapter's version + 1. Publishing the version is the caller's (``alchemist.training.online``: once per
+-> the adapter's version + 1. Where the adapter's ranks are split (``split``), each group's gradients go to its
+kind's ranks. Publishing the version is the caller's (``alchemist.training.online``: once per
 mini-batch, after its steps and the evaluation gate). Samples go through the model in groups (``group_size`` of them,
 ``group_max_tokens`` rows at most): a group's replayable samples in one walk, its others in one recompute forward.
 
@@ -30,6 +31,7 @@ from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
 from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.protected import ProtectedSubspace
+from alchemist.training.rank_split import RankSplit
 from alchemist.training.recompute import LayerSplitPass, sample_values
 from alchemist.training.record_reader import RecordReader
 from alchemist.training.replay import ReplaySample, replay_backward_slices
@@ -91,6 +93,7 @@ class Trainer:
         self.stats = TrainingStats()  # the OnlineTrainer counts its batches into the same
         self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
         self.protected: ProtectedSubspace | None = None  # directions each update keeps out of the adapter's A
+        self.split: RankSplit | None = None  # ranks only preference objectives train (alchemist.training.rank_split)
 
     def step_slices(
         self,
@@ -134,18 +137,24 @@ class Trainer:
         for group in self.groups(samples):
             if group.start:
                 yield
+            preference = samples[group.start].term is not None  # a group is of one kind where ranks are split
+            held = self.split.hold(preference) if self.split is not None else None
             passes += yield from self._group_backward_slices(samples[group], loss_scales[group])
+            if self.split is not None:
+                self.split.route(preference, held)  # type: ignore[arg-type]
         return passes
 
     def groups(self, samples: list[Sample]) -> list[slice]:
         """The batch cut into groups trained together: consecutive samples, at most ``group_size`` of them and
         ``group_max_tokens`` rows (a sample with more rows is a group alone), never between the two samples of a
-        DPO pair (which may then exceed both)."""
+        DPO pair (which may then exceed both); with ranks split, a preference sample and another never together."""
         c = self.config
         groups, start, rows = [], 0, 0
         for i, sample in enumerate(samples):
             n = len(sample.prompt_ids) + len(sample.response_ids) - 1
             full = i - start >= c.group_size or (c.group_max_tokens and rows + n > c.group_max_tokens)
+            if self.split is not None and i > start:
+                full = full or (sample.term is None) != (samples[i - 1].term is None)
             if i > start and full and not samples[i - 1].pairs_with_next:
                 groups.append(slice(start, i))
                 start, rows = i, 0
@@ -276,7 +285,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.protected is not None:
-            self.protected.project_(self.adapter)
+            self.protected.project_(self.adapter, self.split)
         self.adapter.version += 1
         self.stats.steps += 1
 

@@ -1,0 +1,69 @@
+"""Preference ranks: the adapter's ranks split between what corrections teach and what preferences teach.
+
+A correction is learned through the protected directions' complement and kept close to the base model on served
+traffic by the anchors (``alchemist.training.protected``, ``alchemist.training.anchors``): both are there to keep
+ordinary chat as it was. A preference people show with thumbs or pairs (shorter answers, say) is a change to
+ordinary chat itself, so through the same ranks it was not learned (docs/benchmarks.md, "Thumbs and pairs").
+
+So each adapter module has ``shared + preference`` ranks (``OnlineConfig.lora_r`` and ``preference_r``). The
+gradients of samples without a preference term (corrections, rehearsals, anchors) go to the first ``shared`` ranks,
+which alone lose the protected directions after an update; those of KTO and DPO samples go to the last
+``preference`` ranks, which are free of both. What keeps those close to the base model is the objectives' own
+KL term (beta; the reference is the base model) and the evaluation gate's bounds.
+
+The forward uses every rank: replay and recompute are untouched, and a step's gradients are the plain ones with
+each rank block keeping only its kind's share. The trainer never mixes the two kinds in one group of samples, and
+``hold`` / ``route`` around a group put the other kind's block back as it was before the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from alchemist.model.lora import LoraAdapter
+
+
+class RankSplit:
+    """Which ranks of ``adapter`` (``r`` per module) preferences train: the last ``preference_r``."""
+
+    def __init__(self, adapter: LoraAdapter, preference_r: int) -> None:
+        r = adapter.config.r
+        if not 0 < preference_r < r:
+            raise ValueError(f"preference ranks must be in (0, {r}) of the adapter's {r} (got {preference_r})")
+        self.adapter = adapter
+        self.r = r
+        self.shared_r = r - preference_r
+
+    def _ranks(self, preference: bool) -> slice:
+        return slice(self.shared_r, self.r) if preference else slice(0, self.shared_r)
+
+    def a_rows(self, a: torch.Tensor, preference: bool) -> torch.Tensor:
+        """A view of an ``A`` (parts * r, in), or of its gradient, on one kind's rows of every part: (parts, k, in)."""
+        return a.view(-1, self.r, a.shape[-1])[:, self._ranks(preference)]
+
+    def _blocks(self, preference: bool) -> Iterator[tuple[torch.nn.Parameter, slice | None]]:
+        for a in self.adapter.A.values():
+            yield a, None
+        for b in self.adapter.B.values():
+            yield b, self._ranks(preference)
+
+    def _view(self, grad: torch.Tensor, cols: slice | None, preference: bool) -> torch.Tensor:
+        return self.a_rows(grad, preference) if cols is None else grad[:, cols]
+
+    def hold(self, preference: bool) -> list[torch.Tensor | None]:
+        """Before a group of samples of one kind (``preference``: KTO or DPO): the other kind's gradient blocks."""
+        return [None if p.grad is None else self._view(p.grad, cols, not preference).clone()
+                for p, cols in self._blocks(not preference)]  # fmt: skip
+
+    def route(self, preference: bool, held: list[torch.Tensor | None]) -> None:
+        """After that group: the other kind's blocks get back what ``hold`` kept (zeros where there was none)."""
+        for (p, cols), kept in zip(self._blocks(not preference), held, strict=True):
+            if p.grad is None:
+                continue
+            view = self._view(p.grad, cols, not preference)
+            if kept is None:
+                view.zero_()
+            else:
+                view.copy_(kept)
