@@ -155,11 +155,11 @@ def _online(bsub: argparse._SubParsersAction) -> None:
 
 def _learn(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser(
-        "learn", help="corrections learned with the default settings: facts per correction, forgetting, samples/s"
+        "learn", help="feedback learned at the defaults: facts per correction, forgetting, samples/s, thumbs, pairs"
     )
     _model_flags(p)
-    p.add_argument("--parts", nargs="+", default=["teach", "forgetting", "throughput"],
-                   help="teach, forgetting and/or throughput")  # fmt: skip
+    p.add_argument("--parts", nargs="+", default=["teach", "forgetting", "throughput", "thumbs", "pairs"],
+                   help="teach, forgetting, throughput, thumbs and/or pairs")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an OnlineConfig field other than its default (repeatable), e.g. lr=1e-3")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="teach: rounds of asking and correcting")
@@ -176,6 +176,10 @@ def _learn(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-response-tokens", type=int, default=128, help="throughput: replies cut to this")
     p.add_argument("--repeats", type=int, default=3, help="throughput: timed mini-batches per way (medians)")
     p.add_argument("--seed", type=int, default=0, help="throughput: ShareGPT sampling seed")
+    p.add_argument("--preference-prompts", type=int, default=64, help="thumbs, pairs: ShareGPT questions per round")
+    p.add_argument("--preference-rounds", type=int, default=2, help="thumbs, pairs: rounds of sampling and feedback")
+    p.add_argument("--preference-tokens", type=int, default=128, help="thumbs, pairs: answers' max tokens")
+    p.add_argument("--held-out", type=int, default=16, help="thumbs, pairs: questions whose greedy length is measured")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_runs("learn"))
 

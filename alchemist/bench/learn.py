@@ -1,7 +1,7 @@
 """`alchemist bench learn`: what people's corrections teach with the default settings, what it costs, how fast.
 
-    alchemist bench learn [--parts teach forgetting throughput] [--set lr=1e-3 ...] [--json]
-                          [--rounds 3] [--facts 50] [--repeats 3]
+    alchemist bench learn [--parts teach forgetting throughput thumbs pairs] [--set lr=1e-3 ...] [--json]
+                          [--rounds 3] [--facts 50] [--repeats 3] [--preference-prompts 64]
 
 Parts (each one's rows carry ``part``; each builds its own parts, so they can run separately):
 
@@ -15,7 +15,10 @@ Parts (each one's rows carry ``part``; each builds its own parts, so they can ru
   corrected and trained if wrong, at most twice), all taught so far asked again after every tenth: how many of the
   first ten are still known (and of all of them);
 - ``throughput``: training samples per second of SFT, KTO and DPO mini-batches, replayed from serving's records vs
-  recomputed (``alchemist.bench.learn_throughput``).
+  recomputed (``alchemist.bench.learn_throughput``);
+- ``thumbs``, ``pairs``: a preference (shorter answers) shown only with thumbs (KTO) or preference pairs (DPO) on
+  sampled answers, in rounds; the median greedy length of held-out answers before and after
+  (``alchemist.bench.learn_preferences``).
 
 The backlog under load (queued feedback by class over time) is `alchemist bench online`'s ``backlog`` rows.
 
@@ -40,6 +43,7 @@ import torch
 import yaml
 
 from alchemist.bench.facts import FACTS, Fact, held_out_nll, held_out_replies, invented_facts, is_known
+from alchemist.bench.learn_preferences import preferences
 from alchemist.bench.learn_rig import Answer, LearnRig, TrainReport
 from alchemist.bench.report import print_rows
 from alchemist.bench.sharegpt import sample_requests
@@ -48,7 +52,7 @@ from alchemist.config.parse import parse_config
 from alchemist.config.root import file_flags
 from alchemist.model.loader import load_model
 
-PARTS = ("teach", "forgetting", "throughput")
+PARTS = ("teach", "forgetting", "throughput", "thumbs", "pairs")
 FACT_TOKENS = 24  # an answer's length: the e2e test's
 OTHER_TOKENS = 24  # the anchors' (the served traffic's) answers
 UNRELATED_TOKENS = 32
@@ -176,8 +180,10 @@ def main(args: argparse.Namespace) -> int:
     for part in args.parts:
         if part not in PARTS:
             raise ValueError(f"--parts: unknown part {part!r}; choose from {', '.join(PARTS)}")
-    if not 1 <= args.teach_facts <= len(FACTS) or args.rounds < 1 or args.facts < 1:
-        raise ValueError(f"--teach-facts must be in 1..{len(FACTS)}, --rounds and --facts >= 1")
+    if not 1 <= args.teach_facts <= len(FACTS) or min(args.rounds, args.facts, args.preference_rounds) < 1:
+        raise ValueError(f"--teach-facts must be in 1..{len(FACTS)}, --rounds, --facts, --preference-rounds >= 1")
+    if min(args.preference_prompts, args.held_out, args.preference_tokens) < 1:
+        raise ValueError("--preference-prompts, --held-out and --preference-tokens must be >= 1")
     config = online_config(args.set)
     note = (f"# OnlineConfig() with {args.set or 'no overrides'}; dtype {args.dtype}, device {args.device}; "
             f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
@@ -192,10 +198,12 @@ def main(args: argparse.Namespace) -> int:
                 rows += teach(args, config, Path(workdir))
             elif part == "forgetting":
                 rows += forgetting(args, config, Path(workdir))
-            else:
+            elif part == "throughput":
                 from alchemist.bench.learn_throughput import throughput
 
                 rows += throughput(args, config)
+            else:
+                rows += preferences(args, config, Path(workdir), part)
     for part in dict.fromkeys(r["part"] for r in rows):  # a table each: their columns differ
         print_rows([r for r in rows if r["part"] == part], args.json)
         if not args.json:

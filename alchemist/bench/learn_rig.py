@@ -4,6 +4,7 @@
     answers = rig.ask(["What is the capital of Durnholt?"], max_tokens=24)   # greedy and recorded, as served
     rig.ask(others, 24, anchor=True)          # traffic nobody gives feedback on: the trainer's anchors
     rig.correct(answers[0], "The capital of Durnholt is Saltreach.")         # POST /v1/feedback's log entry
+    rig.rate(answer, -1); rig.prefer(chosen, rejected)                       # thumbs and pairs, the same
     report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
 
 The parts are the ones `alchemist serve` builds: the model in the serve dtype, an ``LLMEngine`` with the default
@@ -76,13 +77,16 @@ class LearnRig:
     def prompt(self, question: str) -> list[int]:
         return self.tokenizer.user_prompt(question)
 
-    def ask(self, questions: list[str], max_tokens: int, anchor: bool = False) -> list[Answer]:
+    def ask(
+        self, questions: list[str], max_tokens: int, anchor: bool = False, temperature: float = 0.0, seed: int = 0
+    ) -> list[Answer]:
         """Greedy answers, all in one engine batch, each prompt recorded (the request asks, as the e2e test's do).
         ``anchor``: offered to the trainer as served traffic, as the server offers every finished completion (the
-        facts' answers are not: their feedback would exclude them at once)."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, record=True)
+        facts' answers are not: their feedback would exclude them at once). ``temperature`` > 0: sampled, the
+        i-th question with seed ``seed + i``."""
         asked = [(f"bench-{next(self._ids)}", self.prompt(q)) for q in questions]
-        for rid, prompt in asked:
+        for i, (rid, prompt) in enumerate(asked):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, record=True)
             self.engine.add_request(rid, prompt, params)
         final = {}
         while len(final) < len(asked):
@@ -102,6 +106,24 @@ class LearnRig:
             response_id=answer.response_id, kind="sft", correction=correction, prompt_token_ids=answer.prompt_ids,
             response_token_ids=self.tokenizer.encode_reply(correction), output_token_ids=answer.output_ids,
             adapter_version=answer.adapter_version, recorded=True,
+        )  # fmt: skip
+
+    def rate(self, answer: Answer, rating: int) -> None:
+        """The log entry a thumbs-up (1: learn the answer) or thumbs-down (-1) through POST /v1/feedback makes."""
+        self.log.append(
+            response_id=answer.response_id, kind="sft" if rating == 1 else "negative", rating=rating,
+            prompt_token_ids=answer.prompt_ids, response_token_ids=answer.output_ids,
+            output_token_ids=answer.output_ids, adapter_version=answer.adapter_version, recorded=True,
+        )  # fmt: skip
+
+    def prefer(self, chosen: Answer, rejected: Answer) -> None:
+        """The log entry POST /v1/feedback makes for ``chosen`` with ``preferred_over`` ``rejected`` (two answers
+        to one prompt)."""
+        self.log.append(
+            response_id=chosen.response_id, kind="preference", preferred_over=rejected.response_id,
+            prompt_token_ids=chosen.prompt_ids, response_token_ids=chosen.output_ids,
+            output_token_ids=chosen.output_ids, rejected_token_ids=rejected.output_ids,
+            adapter_version=chosen.adapter_version, recorded=True,
         )  # fmt: skip
 
     def train(self) -> TrainReport:

@@ -11,7 +11,9 @@ The measures, each against a reference computed without training:
 - held-out perplexity: the perplexity of eight ShareGPT replies nobody here trains on (``heldout_sharegpt.json``:
   first turns of ``sample_requests(40, seed=5, mode="first_turn", max_prompt_tokens=80, max_reply_tokens=80)``
   with replies of 24+ tokens, none of the e2e test's held-out set) may rise at most ``heldout_max_rise`` over the
-  base model's: the broad damage a batch does;
+  base model's: the broad damage a batch does. Each reply token but the last is scored given that the reply goes
+  on (its probability over 1 - p(end of turn)): a preference for shorter answers (thumbs, pairs) moves where
+  replies stop, which is what people asked for, not what they say (docs/benchmarks.md, "Thumbs and pairs");
 - canaries: well-known facts the base model answers right. Each is a question, the start of its answer and the
   answer's words ("What is the capital of France?", "The capital of France is", " Paris"); the log-probability of
   the answer's words after the start, under the base model, may drop at most ``canary_max_drop`` nats. Not greedy
@@ -110,6 +112,7 @@ class EvaluationGate:
         chats = json.loads(HELDOUT_FILE.read_text())
         self.heldout = [(tokenizer.user_prompt(c["user"]),
                          tokenizer.encode_reply(c["assistant"])) for c in chats]  # fmt: skip
+        self.end_of_turn = tokenizer.end_of_turn_token_id  # the held-out replies' tokens are scored as going on
         self.canaries = [(question, canary_pair(tokenizer, question, start, answer))
                          for question, start, answer in CANARIES]  # fmt: skip
         self._base: tuple[float, list[float]] | None = None  # held-out NLL per token, canary log-probs
@@ -156,11 +159,14 @@ class EvaluationGate:
         return self._base
 
     def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, tuple[float, list[float]]]:
-        pairs = self.heldout + [pair for _, pair in self.canaries]
-        logps = yield from self._timed_slices(sequence_logps_slices(self.model, adapter, pairs, self.group_size))
-        heldout_tokens = sum(len(response) for _, response in self.heldout)
-        nll = -sum(logps[: len(self.heldout)]) / heldout_tokens
-        return nll, logps[len(self.heldout) :]
+        heldout = sequence_logps_slices(self.model, adapter, self.heldout, self.group_size, self.end_of_turn)
+        logps = yield from self._timed_slices(heldout)
+        nll = -sum(logps) / sum(len(response) for _, response in self.heldout)
+        canaries = [pair for _, pair in self.canaries]
+        canary_logps = yield from self._timed_slices(
+            sequence_logps_slices(self.model, adapter, canaries, self.group_size)
+        )
+        return nll, canary_logps
 
     def _timed_slices(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
         """``slices``, its own time (not the serving steps between its slices) added to ``seconds``."""

@@ -58,6 +58,17 @@ def response_loss(
     return F.nll_loss(log_probs(logits), response_ids)
 
 
-def sequence_logp(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
-    """log p(response | prompt): the sum of the response tokens' log-probabilities, from their R hidden rows."""
-    return log_probs(model.logits(hidden)).gather(-1, response_ids[:, None]).sum()
+def sequence_logp(
+    model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor, going_on: int | None = None
+) -> torch.Tensor:
+    """log p(response | prompt): the sum of the response tokens' log-probabilities, from their R hidden rows.
+
+    ``going_on`` (an end-of-turn token id): each token other than it is scored given that the reply goes on, its
+    probability over 1 - p(end): what the reply says, set apart from where it stops."""
+    logp = log_probs(model.logits(hidden))
+    taken = logp.gather(-1, response_ids[:, None])[:, 0]
+    if going_on is not None:
+        goes_on = response_ids != going_on
+        p_end = logp[:, going_on].exp().clamp(max=1.0 - 1e-6)  # a certain end would make the rest infinitely likely
+        taken = taken - torch.where(goes_on, torch.log1p(-p_end), 0.0)
+    return taken.sum()

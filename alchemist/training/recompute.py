@@ -118,17 +118,21 @@ class LayerSplitPass:
 
 @torch.no_grad()
 def sequence_logps_slices(
-    model: Llama, adapter: Adapter | None, pairs: Sequence[tuple[list[int], list[int]]], group_size: int = 4
+    model: Llama,
+    adapter: Adapter | None,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    group_size: int = 4,
+    going_on: int | None = None,
 ) -> Generator[None, None, list[float]]:
     """log p(response | prompt) of each (prompt ids, response ids) under ``adapter`` (None: the base model), no
-    gradient: ``group_size`` pairs per forward, in slices of one layer."""
+    gradient: ``group_size`` pairs per forward, in slices of one layer. ``going_on``: as ``sequence_logp``'s."""
     logps: list[float] = []
     for start in range(0, len(pairs), group_size):
         group = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device))
                  for p, r in pairs[start : start + group_size]]  # fmt: skip
         hidden = yield from responses_hidden_slices(model, adapter, group)
         for rows, (_, response) in zip(hidden, group, strict=True):
-            logps.append(sequence_logp(model, rows, response).item())
+            logps.append(sequence_logp(model, rows, response, going_on).item())
     return logps
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from alchemist.activations import disk
 from alchemist.activations.store import ActivationStore
@@ -119,3 +120,25 @@ def test_record_corrupt_mid_pass_is_recomputed(model, adapter, tmp_path):
     assert got == pytest.approx(expected, rel=1e-6)
     assert (trainer.stats.unreadable, trainer.stats.reference_replayed, trainer.stats.reference_recomputed) == (1, 0, 1)
     assert store.stats.corrupt == 1 and "resp" not in store
+
+
+def test_going_on_scores_each_token_among_those_that_go_on(tiny_dirs):
+    """``going_on``: a token other than the end is scored by the softmax without the end token (its probability
+    over 1 - p(end)), the end token as it is; the gate's held-out replies are scored so."""
+    hf_dir = tiny_dirs[sorted(TINY_VARIANTS)[0]]
+    model = build_model(hf_dir, torch.float32)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    (prompt, response), end = pairs_of([(7, 12)])[0], 5
+    response[[3, 11]] = end  # the end token inside the reply and at its end
+    plain, going_on = (run_to_end(recomputed_logps_slices(model, None, [(prompt.tolist(), response.tolist())],
+                                                          going_on=g))[0] for g in (None, end))  # fmt: skip
+    with torch.no_grad():
+        logits = oracle(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1]
+    without_end = logits.clone()
+    without_end[:, end] = float("-inf")
+    at = torch.arange(len(response))
+    expected = torch.where(response == end, logits.log_softmax(-1)[at, response],
+                           without_end.log_softmax(-1)[at, response]).sum()  # fmt: skip
+    assert going_on == pytest.approx(expected.item(), abs=1e-4)
+    assert plain == pytest.approx(logits.log_softmax(-1)[at, response].sum().item(), abs=1e-4)
+    assert going_on > plain  # every going-on token gained what the end's probability took

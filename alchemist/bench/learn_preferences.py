@@ -1,0 +1,91 @@
+"""`alchemist bench learn --parts thumbs pairs`: does a preference people show only with thumbs (KTO) or with
+preference pairs (DPO) move the served model?
+
+The preference shown: shorter answers. Before training and after each round, the greedy answers
+(``--preference-tokens``) to ``--held-out`` ShareGPT questions nobody gives feedback on; the median of their lengths
+is what must fall (the issue's goal: by at least 30%). Each of ``--preference-rounds`` rounds samples answers
+(temperature 1, recorded) to ``--preference-prompts`` new ShareGPT questions with the adapter served now, gives
+the feedback as POST /v1/feedback logs it, and trains until nothing is queued:
+
+- ``thumbs``: one answer per question; thumbs-up (rating 1: KTO desirable) for those shorter than the round's
+  median length, thumbs-down (rating -1: KTO undesirable) for the others;
+- ``pairs``: two answers per question, the shorter preferred (DPO; equal lengths give no pair).
+
+Every served answer, the held-out ones included, is offered to the trainer's anchors as the server offers every
+finished completion (those with feedback drop out). A row per round: entries, the sampled answers' median length,
+what training did (``TrainReport``), the held-out median and its fall from round 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from alchemist.bench.learn_rig import Answer, LearnRig, TrainReport
+from alchemist.bench.report import print_rows
+from alchemist.bench.sharegpt import sample_requests
+from alchemist.config import OnlineConfig
+
+GOAL_FALL = 0.30  # the issue's: the held-out median greedy length falls by at least this
+
+
+def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, feedback: str) -> list[dict]:
+    """``feedback``: "thumbs" or "pairs". Rows as the module says; the last one's ``goal_fall`` says if it held."""
+    rig = LearnRig(args.model, args.dtype, args.device, config, workdir)
+    held_out, training = questions(rig.tokenizer, args.held_out, args.preference_rounds * args.preference_prompts)
+    tokens = args.preference_tokens
+
+    def held_out_median() -> float:
+        return statistics.median(len(a.output_ids) for a in rig.ask(held_out, tokens, anchor=True))
+
+    before = held_out_median()
+    rows = [{"part": feedback, "round": 0, "entries": 0, "sampled_median": None, **TrainReport().row(),
+             "held_out_median": before, "fall": 0.0}]  # fmt: skip
+    for round_ in range(1, args.preference_rounds + 1):
+        asked = training[(round_ - 1) * args.preference_prompts : round_ * args.preference_prompts]
+        sampled = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_)
+        if feedback == "pairs":
+            second = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_ + 500)
+            entries = prefer_shorter(rig, sampled, second)
+            sampled += second
+        else:
+            entries = thumbs_for_shorter(rig, sampled)
+        report = rig.train()
+        for reason in report.reasons:
+            print(f"# {feedback}, round {round_}: the evaluation gate blocked a version: {reason}", file=sys.stderr)
+        median = held_out_median()
+        rows.append({"part": feedback, "round": round_, "entries": entries,
+                     "sampled_median": statistics.median(len(a.output_ids) for a in sampled), **report.row(),
+                     "held_out_median": median, "fall": round(1 - median / before, 3)})  # fmt: skip
+        print_rows(rows[-1:], True, sys.stderr)
+    rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
+    return rows
+
+
+def thumbs_for_shorter(rig: LearnRig, answers: list[Answer]) -> int:
+    """Thumbs-up for the answers shorter than their median length, thumbs-down for the others; how many."""
+    median = statistics.median(len(a.output_ids) for a in answers)
+    for answer in answers:
+        rig.rate(answer, 1 if len(answer.output_ids) < median else -1)
+    return len(answers)
+
+
+def prefer_shorter(rig: LearnRig, first: list[Answer], second: list[Answer]) -> int:
+    """Of each question's two answers, the shorter preferred over the longer (equal lengths: no pair); how many."""
+    pairs = 0
+    for a, b in zip(first, second, strict=True):
+        if len(a.output_ids) != len(b.output_ids):
+            rig.prefer(*((a, b) if len(a.output_ids) < len(b.output_ids) else (b, a)))
+            pairs += 1
+    return pairs
+
+
+def questions(tokenizer, held_out: int, training: int) -> tuple[list[str], list[str]]:
+    """``held_out`` ShareGPT first-turn questions (<= 96 tokens) to measure on, and ``training`` others to give
+    feedback on."""
+    n = held_out + training + 8
+    pool = sample_requests(n, seed=31, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96)
+    distinct = list(dict.fromkeys(s.messages[0]["content"] for s in pool))
+    return distinct[:held_out], distinct[held_out : held_out + training]
