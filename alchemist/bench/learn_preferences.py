@@ -1,15 +1,17 @@
 """`alchemist bench learn --parts thumbs pairs`: does a preference people show only with thumbs (KTO) or with
 preference pairs (DPO) move the served model?
 
-The preference shown: shorter answers. Before training and after each round, the greedy answers
-(``--preference-tokens``) to ``--held-out`` ShareGPT questions nobody gives feedback on; the median of their lengths
-is what must fall (the issue's goal: by at least 30%). Each of ``--preference-rounds`` rounds samples answers
-(temperature 1, recorded) to ``--preference-prompts`` new ShareGPT questions with the adapter served now, gives
-the feedback as POST /v1/feedback logs it, and trains until nothing is queued:
+The preference shown: shorter answers (``--prefer longer``, the control: longer ones). Before training and after
+each round, the greedy answers (``--preference-tokens``) to ``--held-out`` ShareGPT questions nobody gives feedback
+on; the median of their lengths is what must fall (the issue's goal: by at least 30%). Each of
+``--preference-rounds`` rounds samples answers (temperature 1, recorded) to ``--preference-prompts`` new ShareGPT
+questions with the adapter served now, gives the feedback as POST /v1/feedback logs it, and trains until nothing
+is queued:
 
 - ``thumbs``: one answer per question; thumbs-up (rating 1: KTO desirable) for those shorter than the round's
-  median length, thumbs-down (rating -1: KTO undesirable) for the others;
-- ``pairs``: two answers per question, the shorter preferred (DPO; equal lengths give no pair).
+  median length, thumbs-down (rating -1: KTO undesirable) for the others (longer: up for those longer than the
+  median, down for the others);
+- ``pairs``: two answers per question, the shorter (longer) preferred (DPO; equal lengths give no pair).
 
 Every served answer, the held-out ones included, is offered to the trainer's anchors as the server offers every
 finished completion (those with feedback drop out). A row per round: entries, the sampled answers' median length,
@@ -35,49 +37,53 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
     """``feedback``: "thumbs" or "pairs". Rows as the module says; the last one's ``goal_fall`` says if it held."""
     rig = LearnRig(args.model, args.dtype, args.device, config, workdir)
     held_out, training = questions(rig.tokenizer, args.held_out, args.preference_rounds * args.preference_prompts)
-    tokens = args.preference_tokens
+    tokens, sign = args.preference_tokens, 1 if args.prefer == "shorter" else -1  # sign * length: less is better
 
     def held_out_median() -> float:
         return statistics.median(len(a.output_ids) for a in rig.ask(held_out, tokens, anchor=True))
 
     before = held_out_median()
-    rows = [{"part": feedback, "round": 0, "entries": 0, "sampled_median": None, **TrainReport().row(),
+    rows = [{"part": feedback, "prefer": args.prefer, "round": 0, "entries": 0, "sampled_median": None,
+             **TrainReport().row(),
              "held_out_median": before, "fall": 0.0}]  # fmt: skip
     for round_ in range(1, args.preference_rounds + 1):
         asked = training[(round_ - 1) * args.preference_prompts : round_ * args.preference_prompts]
         sampled = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_)
         if feedback == "pairs":
             second = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_ + 500)
-            entries = prefer_shorter(rig, sampled, second)
+            entries = prefer_less(rig, sampled, second, sign)
             sampled += second
         else:
-            entries = thumbs_for_shorter(rig, sampled)
+            entries = thumbs_for_less(rig, sampled, sign)
         report = rig.train()
         for reason in report.reasons:
             print(f"# {feedback}, round {round_}: the evaluation gate blocked a version: {reason}", file=sys.stderr)
         median = held_out_median()
-        rows.append({"part": feedback, "round": round_, "entries": entries,
+        rows.append({"part": feedback, "prefer": args.prefer, "round": round_, "entries": entries,
                      "sampled_median": statistics.median(len(a.output_ids) for a in sampled), **report.row(),
                      "held_out_median": median, "fall": round(1 - median / before, 3)})  # fmt: skip
         print_rows(rows[-1:], True, sys.stderr)
-    rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
+    if args.prefer == "shorter":  # the control's goal is no fall: read from its rows
+        rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
     return rows
 
 
-def thumbs_for_shorter(rig: LearnRig, answers: list[Answer]) -> int:
-    """Thumbs-up for the answers shorter than their median length, thumbs-down for the others; how many."""
-    median = statistics.median(len(a.output_ids) for a in answers)
+def thumbs_for_less(rig: LearnRig, answers: list[Answer], sign: int) -> int:
+    """Thumbs-up for the answers whose ``sign`` x length is below the median's, thumbs-down for the others; how
+    many."""
+    median = statistics.median(sign * len(a.output_ids) for a in answers)
     for answer in answers:
-        rig.rate(answer, 1 if len(answer.output_ids) < median else -1)
+        rig.rate(answer, 1 if sign * len(answer.output_ids) < median else -1)
     return len(answers)
 
 
-def prefer_shorter(rig: LearnRig, first: list[Answer], second: list[Answer]) -> int:
-    """Of each question's two answers, the shorter preferred over the longer (equal lengths: no pair); how many."""
+def prefer_less(rig: LearnRig, first: list[Answer], second: list[Answer], sign: int) -> int:
+    """Of each question's two answers, the one of lower ``sign`` x length preferred over the other (equal lengths:
+    no pair); how many."""
     pairs = 0
     for a, b in zip(first, second, strict=True):
         if len(a.output_ids) != len(b.output_ids):
-            rig.prefer(*((a, b) if len(a.output_ids) < len(b.output_ids) else (b, a)))
+            rig.prefer(*((a, b) if sign * len(a.output_ids) < sign * len(b.output_ids) else (b, a)))
             pairs += 1
     return pairs
 

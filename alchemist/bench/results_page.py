@@ -137,7 +137,8 @@ def backlog_table(samples: list[dict], every_s: float) -> str:
 
 def learn_block(meta: dict, folder: Path) -> str:
     """`bench learn`'s parts that ``meta`` names rows of: the teach rounds and the end-of-teach measures, the
-    forgetting curves (``meta["forgetting"]``: label -> rows), the throughput of each objective."""
+    forgetting curves (``meta["forgetting"]``: label -> rows), the throughput of each objective, the rounds of
+    the thumbs and pairs parts (``meta["preferences"]``: label -> rows)."""
     blocks, yes = [], {True: "met", False: "not met"}
     if "teach" in meta:
         teach = read_rows(folder / meta["teach"])
@@ -175,6 +176,16 @@ def learn_block(meta: dict, folder: Path) -> str:
             [[r["objective"].upper(), f"{r['replay_s']:.1f}", f"{r['recompute_s']:.1f}", both_ways(r, "reference"),
               both_ways(r, "kl"), f"{r['replay_items_s']:.2f}", f"{r['ratio']:.2f}x",
               "-" if r["goal"] is None else f"{r['goal']}: {yes[r['met']]}"] for r in through],
+        ))  # fmt: skip
+    if "preferences" in meta:  # label -> rows: the thumbs and pairs parts' rounds
+        rounds = [(label, r) for label, file in meta["preferences"].items() for r in read_rows(folder / file)]
+        blocks.append(table(
+            ["feedback", "round", "entries", "sampled median", "versions promoted / blocked", "steps", "quarantined",
+             "train s", "held-out median", "fall", "goal"],
+            [[label, r["round"], r["entries"], "-" if r["sampled_median"] is None else r["sampled_median"],
+              f"{r['promoted']} / {r['blocked']}", r["steps"], r["quarantined"], f1(r["train_s"]),
+              r["held_out_median"], f"{r['fall']:.0%}",
+              f">= 30%: {yes[r['goal_fall']]}" if "goal_fall" in r else ""] for label, r in rounds],
         ))  # fmt: skip
     return "\n".join(blocks)
 
