@@ -152,6 +152,7 @@ BAD_FLAGS = [
     (["--train-batch-size", "0"], "--train-batch-size must be a positive integer"),
     (["--train-epochs", "0"], "--train-epochs must be a positive integer"),
     (["--lora-r", "0"], "--lora-r must be a positive integer"),
+    (["--lora-preference-r", "-1"], "--lora-preference-r must be an integer >= 0"),
     (["--lora-alpha", "0"], "--lora-alpha must be positive"),
     (["--keep-adapter-versions", "0"], "--keep-adapter-versions must be a positive integer"),
     (["--train-anchor-samples", "0"], "--train-anchor-samples must be a positive integer"),
