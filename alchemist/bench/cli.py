@@ -175,7 +175,7 @@ def _learn(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="throughput: ShareGPT multi-turn prompts")
     p.add_argument("--max-response-tokens", type=int, default=128, help="throughput: replies cut to this")
     p.add_argument("--repeats", type=int, default=3, help="throughput: timed mini-batches per way (medians)")
-    p.add_argument("--seed", type=int, default=0, help="throughput: ShareGPT sampling seed")
+    p.add_argument("--seed", type=int, default=0, help="throughput, thumbs, pairs: ShareGPT sampling seed")
     p.add_argument("--preference-prompts", type=int, default=64, help="thumbs, pairs: ShareGPT questions per round")
     p.add_argument("--preference-rounds", type=int, default=2, help="thumbs, pairs: rounds of sampling and feedback")
     p.add_argument("--preference-tokens", type=int, default=128, help="thumbs, pairs: answers' max tokens")

@@ -15,7 +15,8 @@ is queued:
 
 Every served answer, the held-out ones included, is offered to the trainer's anchors as the server offers every
 finished completion (those with feedback drop out). A row per round: entries, the sampled answers' median length,
-what training did (``TrainReport``), the held-out median and its fall from round 0.
+what training did (``TrainReport``), the held-out median and its fall from round 0. ``--seed`` picks other
+questions and samples (0: the results page's).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ GOAL_FALL = 0.30  # the issue's: the held-out median greedy length falls by at l
 def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, feedback: str) -> list[dict]:
     """``feedback``: "thumbs" or "pairs". Rows as the module says; the last one's ``goal_fall`` says if it held."""
     rig = LearnRig(args.model, args.dtype, args.device, config, workdir)
-    held_out, training = questions(rig.tokenizer, args.held_out, args.preference_rounds * args.preference_prompts)
+    held_out, training = questions(rig.tokenizer, args.held_out, args.preference_rounds * args.preference_prompts,
+                                   seed=31 + args.seed)  # fmt: skip
     tokens, sign = args.preference_tokens, 1 if args.prefer == "shorter" else -1  # sign * length: less is better
 
     def held_out_median() -> float:
@@ -48,9 +50,10 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
              "held_out_median": before, "fall": 0.0}]  # fmt: skip
     for round_ in range(1, args.preference_rounds + 1):
         asked = training[(round_ - 1) * args.preference_prompts : round_ * args.preference_prompts]
-        sampled = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_)
+        seed = 1000 * round_ + 100_000 * args.seed
+        sampled = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=seed)
         if feedback == "pairs":
-            second = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=1000 * round_ + 500)
+            second = rig.ask(asked, tokens, anchor=True, temperature=1.0, seed=seed + 500)
             entries = prefer_less(rig, sampled, second, sign)
             sampled += second
         else:
@@ -88,10 +91,10 @@ def prefer_less(rig: LearnRig, first: list[Answer], second: list[Answer], sign: 
     return pairs
 
 
-def questions(tokenizer, held_out: int, training: int) -> tuple[list[str], list[str]]:
+def questions(tokenizer, held_out: int, training: int, seed: int) -> tuple[list[str], list[str]]:
     """``held_out`` ShareGPT first-turn questions (<= 96 tokens) to measure on, and ``training`` others to give
     feedback on."""
     n = held_out + training + 8
-    pool = sample_requests(n, seed=31, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96)
+    pool = sample_requests(n, seed=seed, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96)
     distinct = list(dict.fromkeys(s.messages[0]["content"] for s in pool))
     return distinct[:held_out], distinct[held_out : held_out + training]
