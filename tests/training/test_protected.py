@@ -71,8 +71,9 @@ def test_projection_removes_the_protected_directions_from_every_seam(tiny_dirs):
 
 def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp_path):
     # The online trainer with protection on (the default) and without: after the same batches, every seam's A
-    # is still out of the protected directions, and the adapter's delta on ordinary inputs is smaller than the
-    # unprotected adapter's (what the protection is for), while both trained (B moved).
+    # is still out of the protected directions in its corrections' ranks (the preference ranks are free), and the
+    # adapter's delta on ordinary inputs is smaller than the unprotected adapter's (what the protection is for),
+    # while both trained (B moved).
     protected_run, log, _ = online(engine, tmp_path / "p", protect_energy=0.9)
     serve_and_log(engine, log, 4)
     drain(protected_run)
@@ -84,8 +85,12 @@ def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp
     drain(plain_run)
     subspace = protected_run.protected
     assert subspace is not None and plain_run.protected is None
+    split = protected_run.trainer.split  # the corrections' ranks are protected; the preference ranks are free
+    assert split is not None
     for key in subspace.bases:
-        assert (protected_run.adapter.A[key] @ subspace.protected_basis(key)).abs().max() < 1e-4, key
+        a = protected_run.adapter.A[key]
+        shared = split.a_rows(a, preference=False).reshape(-1, a.shape[-1])
+        assert (shared @ subspace.protected_basis(key)).abs().max() < 1e-4, key
     assert all(b.abs().max() > 0 for b in protected_run.adapter.B.values())
 
     # The deltas on ordinary chat's inputs (those the directions were taken from), at every seam.
