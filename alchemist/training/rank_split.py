@@ -13,7 +13,8 @@ KL term (beta; the reference is the base model) and the evaluation gate's bounds
 
 The forward uses every rank: replay and recompute are untouched, and a step's gradients are the plain ones with
 each rank block keeping only its kind's share. The trainer never mixes the two kinds in one group of samples, and
-``hold`` / ``route`` around a group put the other kind's block back as it was before the group.
+``hold`` / ``route`` around a group put the other kind's block back as it was before the group. The step's
+gradient clipping and AdamW act on the whole adapter as before: in a mixed step the clip's norm counts both kinds.
 """
 
 from __future__ import annotations
