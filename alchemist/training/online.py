@@ -60,7 +60,7 @@ from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeig
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
-from alchemist.training.rank_split import RankSplit
+from alchemist.training.rank_split import RankSplit, widen
 from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.slices import run_to_end
@@ -184,6 +184,9 @@ class OnlineTrainer:
         adapter, optimizer_state, _ = self.checkpoints.load(version, model.config, model.device)
         info = next(v for v in self.checkpoints.versions() if v.version == version)
         self._undone = [list(r) for r in info.metrics.get("undone", [])]
+        if self.trainer.split is not None and adapter.config.r == self.config.lora_r:  # saved before the split
+            initial = LoraAdapter(self.adapter.model_config, self.adapter.config, seed=self.config.seed)
+            adapter, optimizer_state = initial, widen(adapter, initial, optimizer_state)
         if adapter.config.r != self.adapter.config.r or adapter.config.alpha != self.adapter.config.alpha:
             raise ValueError(
                 f"adapter version {version} has r={adapter.config.r}, alpha={adapter.config.alpha}; this trainer is "

@@ -68,3 +68,38 @@ class RankSplit:
                 view.zero_()
             else:
                 view.copy_(kept)
+
+
+def widen(old: LoraAdapter, initial: LoraAdapter, optimizer_state: dict) -> dict:
+    """An adapter saved before its preference ranks (``old``: the shared ranks alone, at the same scaling), made the
+    shape of ``initial``: ``old``'s ranks first, then ``initial``'s preference ranks as a fresh adapter has them (A
+    as initialized, B zero), so it serves exactly what ``old`` served. Loads the result into ``initial`` and returns
+    the optimizer state widened alike (Adam's moments zero on the new ranks). A data dir written before
+    ``OnlineConfig.preference_r`` existed restarts this way."""
+    r, old_r = initial.config.r, old.config.r
+    if not 0 < old_r < r or old.config.scaling != initial.config.scaling:
+        raise ValueError(f"an adapter of r={old_r}, scaling {old.config.scaling} cannot become the first ranks of "
+                         f"one of r={r}, scaling {initial.config.scaling}")  # fmt: skip
+
+    def wide(name: str, into: torch.Tensor, narrow: torch.Tensor) -> torch.Tensor:
+        out = into.detach().clone()
+        if name.startswith("A."):  # (parts * r, in): each part's first old_r rows
+            out.view(-1, r, out.shape[-1])[:, :old_r] = narrow.view(-1, old_r, narrow.shape[-1])
+        else:  # B (out, r): the first old_r columns; the preference ranks' stay zero
+            out[:, old_r:] = 0
+            out[:, :old_r] = narrow
+        return out
+
+    params = dict(initial.named_parameters())
+    narrow = dict(old.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(wide(name, p, narrow[name]))
+    names = list(params)  # the optimizer's parameter order: ``adapter.parameters()``'s
+    state = {}
+    for index, entry in optimizer_state.get("state", {}).items():
+        name, shape = names[index], params[names[index]].shape
+        state[index] = {key: wide(name, torch.zeros(shape, dtype=value.dtype, device=value.device), value)
+                        if torch.is_tensor(value) and value.dim() == 2 else value
+                        for key, value in entry.items()}  # fmt: skip
+    return {**optimizer_state, "state": state}

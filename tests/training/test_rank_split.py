@@ -17,7 +17,7 @@ from alchemist.training.rank_split import RankSplit
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
 from tests.training.recording import record_alone
-from tests.training.test_online import online
+from tests.training.test_online import drain, online, serve_and_log
 
 R, PREFERENCE_R = 6, 2
 
@@ -112,3 +112,38 @@ def test_the_online_trainer_adds_the_preference_ranks_at_the_same_scale(engine, 
     assert adapter_config(type(config)(preference_r=0)).r == config.lora_r
     plain, _, _ = online(engine, tmp_path / "plain", preference_r=0)
     assert plain.trainer.split is None and plain.adapter.config.r == config.lora_r
+
+
+def test_a_data_dir_saved_before_the_preference_ranks_restarts_serving_the_same(engine, tmp_path):
+    """Upgrading: versions saved with the shared ranks alone become the first ranks of the split adapter (the
+    preference ranks' B zero, so every delta is as it was) and training goes on from them."""
+    old, log, checkpoints = online(engine, tmp_path, preference_r=0)
+    serve_and_log(engine, log, 2)
+    drain(old)
+    saved = checkpoints.serving().version
+    assert saved > 0 and old.adapter.config.r == old.config.lora_r
+
+    new, log, checkpoints = online(engine, tmp_path)  # the defaults, on the same data dir: resumes
+    r = new.config.lora_r
+    assert new.version == saved and new.adapter.config.r == r + new.config.preference_r
+    fresh = LoraAdapter(new.adapter.model_config, new.adapter.config, seed=new.config.seed)
+    x = torch.randn(5, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for key in new.adapter.B:
+            assert new.adapter.B[key][:, r:].abs().max() == 0, key
+            assert torch.equal(new.adapter.B[key][:, :r], old.adapter.B[key]), key
+        for key, a in new.adapter.A.items():
+            assert torch.equal(a.view(-1, new.adapter.config.r, a.shape[-1])[:, :r],
+                               old.adapter.A[key].view(-1, r, a.shape[-1])), key  # fmt: skip
+            assert torch.equal(RankSplit(new.adapter, new.config.preference_r).a_rows(a, True),
+                               RankSplit(fresh, new.config.preference_r).a_rows(fresh.A[key], True)), key  # fmt: skip
+        for layer in range(engine.model.config.num_layers):
+            torch.testing.assert_close(new.adapter.delta(layer, "qkv", x), old.adapter.delta(layer, "qkv", x))
+    moments = new.trainer.optimizer.state_dict()["state"]
+    assert moments and all(s["exp_avg"].shape == p.shape for s, p in zip(moments.values(), new.adapter.parameters()))
+    first_b = next(i for i, (name, _) in enumerate(new.adapter.named_parameters()) if name.startswith("B."))
+    assert moments[first_b]["exp_avg"][:, r:].abs().max() == 0 and moments[first_b]["exp_avg"][:, :r].abs().max() > 0
+
+    serve_and_log(engine, log, 2, seed=1)  # and it trains on
+    drain(new)
+    assert checkpoints.serving().version > saved and new.adapter.config.r == r + new.config.preference_r
