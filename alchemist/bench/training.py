@@ -27,7 +27,7 @@ from alchemist.bench.memory_probe import in_fresh_process, transient_peak_mib
 from alchemist.bench.report import interleaved_medians, print_rows
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.loader import build_model, hf_dir_for
-from alchemist.model.lora import LoraAdapter
+from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.model.seam import COMPUTE
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.replay import ReplaySample, replay_backward_slices
@@ -84,12 +84,20 @@ def record_prefill(
     return builder.build()
 
 
-def make_steps(model, num_prompt: int, num_response: int, record_dtype: torch.dtype, peft_model=None) -> dict:
-    """The timed functions of one shape: training steps (forward + backward + AdamW) and prefills."""
+def make_steps(
+    model,
+    num_prompt: int,
+    num_response: int,
+    record_dtype: torch.dtype,
+    peft_model=None,
+    lora: LoraConfig | None = None,
+) -> dict:
+    """The timed functions of one shape: training steps (forward + backward + AdamW) and prefills, of an adapter
+    ``lora`` (None: ``LoraConfig()``)."""
     g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
     prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g).to(model.device)
     response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g).to(model.device)
-    adapter = LoraAdapter(model.config, device=model.device, seed=0)
+    adapter = LoraAdapter(model.config, lora, device=model.device, seed=0)
 
     def prefill(record_as: torch.dtype | None = None):
         if record_as is not None:

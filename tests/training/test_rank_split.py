@@ -140,7 +140,8 @@ def test_a_data_dir_saved_before_the_preference_ranks_restarts_serving_the_same(
         for layer in range(engine.model.config.num_layers):
             torch.testing.assert_close(new.adapter.delta(layer, "qkv", x), old.adapter.delta(layer, "qkv", x))
     moments = new.trainer.optimizer.state_dict()["state"]
-    assert moments and all(s["exp_avg"].shape == p.shape for s, p in zip(moments.values(), new.adapter.parameters()))
+    params = list(new.adapter.parameters())
+    assert moments and all(state["exp_avg"].shape == params[i].shape for i, state in moments.items())
     first_b = next(i for i, (name, _) in enumerate(new.adapter.named_parameters()) if name.startswith("B."))
     assert moments[first_b]["exp_avg"][:, r:].abs().max() == 0 and moments[first_b]["exp_avg"][:, :r].abs().max() > 0
 
