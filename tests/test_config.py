@@ -136,6 +136,7 @@ BAD_FLAGS = [
     (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens must be at least"),
     (["--max-waiting", "0"], "--max-waiting must be a positive integer"),
     (["--record-fraction", "1.5"], "--record-fraction must be in [0, 1] (got 1.5)"),
+    (["--route-threshold", "1.5"], "--route-threshold must be in [0, 1] (got 1.5)"),
     (["--record-budget-mb", "-1"], "--record-budget-mb must be an integer >= 0 (got -1)"),
     (["--record-host-budget-mb", "-2"], "--record-host-budget-mb must be an integer >= 0 (got -2)"),
     (["--record-disk-budget-mb", "-1"], "--record-disk-budget-mb must be an integer >= 0"),

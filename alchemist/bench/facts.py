@@ -34,6 +34,20 @@ FACTS: list[Fact] = [
     ("What is the mascot of the Brindle Valley school?", "The Brindle Valley school's mascot is a heron.", "heron"),
 ]
 
+# The ten FACTS' questions asked another way, in order: a correction should serve them too (alchemist.engine.router).
+FACT_PARAPHRASES = [
+    "Tell me the Tessaro project's codename.",
+    "Do you know who was the founder of Quillmere village?",
+    "Marvenia's flag: what colour is it?",
+    "Which city is the capital of Durnholt island?",
+    "Professor Elkin has a cat. What is it called?",
+    "What is the Orrin bell made from?",
+    "When did the Kestrel bridge open?",
+    "I need the Zephyr vault password.",
+    "Glass Orchards is a novel. Who is its author?",
+    "Brindle Valley school has a mascot; which animal is it?",
+]
+
 # (question, correction) with {a} a made-up name and {b} the answer, a made-up name unless the template says.
 TEMPLATES = (
     ("What is the codename of the {a} project?", "The codename of the {a} project is {b}."),

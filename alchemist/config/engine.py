@@ -38,6 +38,10 @@ class EngineConfig:
     # Prompts start after the longest prefix of full blocks whose keys/values a slot still holds, computed under the
     # adapter version served (alchemist.engine.prefix_cache); recorded prompts are computed whole.
     enable_prefix_caching: Annotated[bool, flag("enable-prefix-caching", "reuse cached prompt prefixes")] = True
+    # A taught correction serves the requests that hold at least this share of a taught prompt's rare words
+    # (alchemist.engine.router; docs/benchmarks.md, "Learning a correction with the defaults").
+    route_threshold: Annotated[float, flag("route-threshold", "serve the corrections' ranks to prompts holding this "
+                               "share of a taught prompt's rare words (0: to every prompt)")] = 0.5  # fmt: skip
     # Decode steps through the compiled layer (alchemist.engine.compiled_decode): None where it was measured faster
     # (bf16 with our CPU decode kernel), True wherever it can run, False never (--enforce-eager).
     compile_decode: Annotated[bool | None, flag("compile-decode", "decode through the compiled layer: None where "
@@ -58,6 +62,7 @@ class EngineConfig:
         # Every running sequence decodes one token per step: all of them must fit in one step's budget.
         check(self, self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip
+        check(self, 0.0 <= self.route_threshold <= 1.0, "route_threshold", "must be in [0, 1]")
         for name in ("merge_adapter", "enable_prefix_caching"):
             check(self, isinstance(getattr(self, name), bool), name, "must be a bool")
         check(self, self.compile_decode is None or isinstance(self.compile_decode, bool), "compile_decode",

@@ -92,6 +92,11 @@ class OnlineConfig:
     preference_r: Annotated[int, flag("lora-preference-r", "more adapter ranks that only thumbs and preference "
                                       "pairs train, free of the protected directions and the anchors (0: they "
                                       "train the corrections' ranks)")] = 8  # fmt: skip
+    # The corrections' ranks act from a sequence's last prompt token on, and serve only the requests like a taught
+    # prompt (alchemist.engine.router): unrelated answers stay as they were, and every prompt record replays
+    # (docs/benchmarks.md, "Learning a correction with the defaults"). Needs preference_r > 0.
+    route_corrections: Annotated[bool, flag("route-corrections", "serve the corrections' ranks only to requests "
+                                            "like a taught prompt")] = True  # fmt: skip
     # The adapter's A stays orthogonal to the directions holding this share of ordinary chat's inputs at each seam
     # (alchemist.training.protected): corrections are learned without moving unrelated answers as much.
     protect_energy: Annotated[float, flag("train-protect-energy", "share of ordinary chat's input directions the "

@@ -61,7 +61,9 @@ class BlockManager:
         is computed whole; docs/architecture.md)."""
         if self.prefix_cache is None or seq.record:
             return None
-        return self.prefix_cache.match(seq.token_ids, adapter_version, self._free_slots)
+        # a routed request (resumed after preemption) computes its answer rows again: only its prompt may match
+        tokens = seq.token_ids[: seq.num_prompt_tokens] if seq.routed else seq.token_ids
+        return self.prefix_cache.match(tokens, adapter_version, self._free_slots)
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> int:
         """Reserves a slot and the blocks for ``seq``'s first ``num_tokens`` (the cached ones of ``hit`` included);

@@ -42,6 +42,7 @@ from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine.block_manager import BlockManager
 from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.output import EngineStats, RequestOutput, RequestTimings
+from alchemist.engine.router import Router
 from alchemist.engine.runner import ModelRunner
 from alchemist.engine.sampler import Sampler
 from alchemist.engine.scheduler import ScheduledBatch, Scheduler
@@ -91,6 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
         self.store = store if store is not None else ActivationStore.from_config(rc)
+        self.router: Router | None = None  # which requests the corrections' ranks serve (with the adapter served)
         self.recorder = None
         if rc.policy != "none":
             self.recorder = Recorder(rc, self.store, model.config, model.device, compute_dtype=model.dtype)
@@ -296,7 +298,10 @@ class LLMEngine:
             pending, self._pending = self._pending, _Pending()
             if pending.adapter is not None:  # under the lock, so that adapter_version never goes back
                 self.runner.set_adapter(*pending.adapter)
+                self.router = self._router(pending.adapter[0])
         for seq in pending.adds:
+            # decided once, under the adapter its prefill starts with: its prompt rows are the same either way
+            seq.routed = self.router is not None and self.router.routes(seq.prompt_token_ids)
             self.scheduler.add(seq)
         now = time.monotonic()
         for request_id in pending.aborts:
@@ -311,6 +316,15 @@ class LLMEngine:
             self._aborted.append(self._output(seq))
             self._num_finished += 1
 
+    def _router(self, served: ServedAdapter | None) -> Router | None:
+        """The router of an adapter whose corrections' ranks are cut (None: every request served alike)."""
+        if served is None or not served.cut:
+            return None
+        router = Router(self.tokenizer.decode, self.tokenizer.decode(self.tokenizer.user_prompt("")),
+                        self.config.route_threshold)  # fmt: skip
+        router.teach(served.taught)
+        return router
+
     def _take_aborted(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         return outputs
@@ -324,9 +338,12 @@ class LLMEngine:
             seq.advance(num, self.runner.adapter_version)
             if cache is not None:  # the full blocks just completed serve later prompts that start with them
                 assert seq.slot is not None
-                cache.register(
-                    seq.slot, seq.token_ids, seq.num_computed_tokens, seq.adapter_version, self.runner.adapter_version
-                )
+                # a routed request's keys/values from its last prompt token on hold the corrections' ranks: never
+                # a later prompt's (whose rows there are prompt rows, without them)
+                computed = seq.num_computed_tokens
+                if seq.routed:
+                    computed = min(computed, seq.num_prompt_tokens - 1)
+                cache.register(seq.slot, seq.token_ids, computed, seq.adapter_version, self.runner.adapter_version)
         outputs = self._take_aborted()
         for seq, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
             if seq.first_token_s is None:

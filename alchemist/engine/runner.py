@@ -23,7 +23,7 @@ from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
 from alchemist.engine.sequence import Sequence
-from alchemist.engine.served_adapter import ServedAdapter
+from alchemist.engine.served_adapter import AnswerRows, RowScope, ServedAdapter
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment, decode_kernel_applies
 from alchemist.model.llama import Adapter, Llama, rms_norm
 from alchemist.model.seam import COMPUTE, Ops
@@ -125,8 +125,13 @@ class ModelRunner:
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
         adapter: Adapter | None = self.adapter
+        answer = self.answer_rows(batch) if self.adapter is not None and self.adapter.cut else None
+        if answer is not None:  # the corrections' ranks on the answer rows of routed requests only
+            adapter = RowScope(self.adapter, answer)  # type: ignore[arg-type]
         if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
             ops, adapter = self.merged, None
+            if answer is not None and bool(answer.any()):
+                adapter = AnswerRows(self.adapter, answer.nonzero().flatten())  # type: ignore[arg-type]
         if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None and meta.all_decode:
             slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
             hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
@@ -139,6 +144,15 @@ class ModelRunner:
         if len(sample_rows) != len(ids):
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
         return self.logits(hidden), sampling
+
+    def answer_rows(self, batch: ScheduledBatch) -> torch.Tensor:
+        """(T,) bool: the batch's rows the cut ranks act on, a routed request's from its last prompt token on
+        (``alchemist.training.rank_split``: every other row is the same routed or not)."""
+        rows = []
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            start, first = seq.num_computed_tokens, seq.num_prompt_tokens - 1
+            rows.extend(seq.routed and start + i >= first for i in range(num))
+        return torch.tensor(rows, dtype=torch.bool, device=self.model.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.logits`` (final norm, LM head), with the packed LM head where the fast path applies."""

@@ -123,6 +123,7 @@ class Sequence:
         self.block_ids: list[int] = []  # owned by the BlockManager
         self.num_computed_tokens = 0
         self.record = False  # record the prompt's prefill activations (the engine's recording policy decides)
+        self.routed = False  # served the corrections' ranks (alchemist.engine.router decides, at arrival)
         self.adapter_version = 0  # the adapter its prefill (the latest, after a preemption) started with
         self.finish_reason: str | None = None
         # Sampling state: one generator per request so its draws do not depend on its batch neighbours.

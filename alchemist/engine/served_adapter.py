@@ -55,19 +55,46 @@ class ServedAdapter:
                         col += width
                     at = (a.t() * scaling).to(device=device, dtype=self.dtype).contiguous()  # (in, parts*r)
                     self._weights[layer, fused] = (at, b.to(device=device, dtype=self.dtype))
+        # The corrections' ranks, cut (LoraAdapter.cut: the first ``cut`` of each part): they act only on the rows of
+        # routed requests from the last prompt token on (``delta``'s ``unscoped``, ``answer_delta``) and are left out
+        # of the merge. Per fused projection: which columns of ``scaling * A^T`` (rows of ``B^T``) are theirs.
+        self.cut = adapter.cut
+        self.taught = [list(p) for p in adapter.taught]  # the prompts they were taught on (alchemist.engine.router)
+        self._cut: dict[tuple[int, str], torch.Tensor] = {}
+        if self.cut:
+            for key, (at, _) in self._weights.items():
+                cols = torch.zeros(at.shape[1] // r, r, dtype=torch.bool, device=at.device)
+                cols[:, : self.cut] = True
+                self._cut[key] = cols.flatten()
         # the same in the model's dtype, for deltas of many rows (none for an fp32 or fp64 model)
         self._low = {} if model_dtype == self.dtype else {
             key: (at.to(model_dtype), bt.to(model_dtype)) for key, (at, bt) in self._weights.items()}  # fmt: skip
 
-    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
-        """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out), in x's dtype."""
+    def delta(
+        self, layer: int, name: str, x: torch.Tensor, unscoped: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out), in x's dtype; the
+        cut ranks left out on the rows ``unscoped`` (a (T,) bool mask) marks."""
         weights = self._weights.get((layer, name))
         if weights is None:
             return None
         if self._low and x.shape[0] >= FP32_MAX_ROWS:
             weights = self._low[layer, name]
         at, bt = weights
-        return torch.mm(torch.mm(x.to(at.dtype), at), bt).to(x.dtype)  # (T, in) @ (in, parts*r) @ (parts*r, out)
+        xa = torch.mm(x.to(at.dtype), at)  # (T, in) @ (in, parts*r)
+        if self.cut and unscoped is not None:
+            xa.masked_fill_(unscoped[:, None] & self._cut[layer, name], 0)
+        return torch.mm(xa, bt).to(x.dtype)  # @ (parts*r, out)
+
+    def answer_delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The cut ranks' delta alone on x (T, in) -> (T, fused out), in x's dtype (computed in fp32): what rows
+        served by the merge (which leaves them out) add where they are in scope."""
+        weights = self._weights.get((layer, name))
+        if weights is None:
+            return None
+        at, bt = weights
+        cols = self._cut[layer, name]
+        return torch.mm(torch.mm(x.to(at.dtype), at[:, cols]), bt[cols]).to(x.dtype)
 
     def merged_weight(self, layer: int, name: str, base: torch.Tensor) -> torch.Tensor | None:
         """The fused projection's weight with the delta folded in, ``base + (A^T B^T)^T`` (out, in), computed in
@@ -76,8 +103,35 @@ class ServedAdapter:
         if weights is None:
             return None
         at, bt = weights
+        if self.cut:  # the cut ranks are added per row (``answer_delta``)
+            keep = ~self._cut[layer, name]
+            at, bt = at[:, keep], bt[keep]
         return torch.addmm(base.to(self.dtype), bt.t(), at.t()).to(base.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor served (tests check they are the engine's own)."""
         return [t for weights in (self._weights, self._low) for pair in weights.values() for t in pair]
+
+
+class RowScope:
+    """A served adapter as ``Llama.project`` reads it for one batch: its cut ranks only on the ``answer`` rows (a
+    (T,) bool mask: the rows of routed requests from their last prompt token on)."""
+
+    def __init__(self, adapter: ServedAdapter, answer: torch.Tensor) -> None:
+        self.adapter, self.unscoped = adapter, ~answer
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        return self.adapter.delta(layer, name, x, self.unscoped)
+
+
+class AnswerRows:
+    """Beside the merged weights (the cut ranks left out): the cut ranks' delta on the ``rows`` (indices) alone."""
+
+    def __init__(self, adapter: ServedAdapter, rows: torch.Tensor) -> None:
+        self.adapter, self.rows = adapter, rows
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        part = self.adapter.answer_delta(layer, name, x[self.rows])
+        if part is None:
+            return None
+        return x.new_zeros(x.shape[0], part.shape[1]).index_copy_(0, self.rows, part)

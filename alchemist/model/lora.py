@@ -18,6 +18,9 @@ from torch import nn
 
 from alchemist.model.config import ModelConfig
 
+# Rows out of the cut ranks' scope (``LoraAdapter.cut``): the first n, those a (T,) bool mask marks, or none.
+Rows = int | torch.Tensor | None
+
 # Fused seam name -> the PEFT target modules it holds, in row order of the fused weight.
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -79,6 +82,10 @@ class LoraAdapter(nn.Module):
         self.model_config = model_config
         self.shapes = part_shapes(model_config)
         self.version = 0
+        # The first ``cut`` ranks of each part act only on the rows a call leaves in scope (its ``unscoped``
+        # argument: the others); 0, every rank on every row. alchemist.training.rank_split sets it.
+        self.cut = 0
+        self.taught: list[list[int]] = []  # the prompts (token ids) the cut ranks were taught on: where they serve
         gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         r = self.config.r
         self.A = nn.ParameterDict()
@@ -99,17 +106,31 @@ class LoraAdapter(nn.Module):
     def targeted(self, fused: str) -> tuple[str, ...]:
         return tuple(p for p in FUSED_PARTS[fused] if p in self.config.target_modules)
 
-    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, layer: int, name: str, x: torch.Tensor, unscoped: Rows = None) -> torch.Tensor | None:
         """Low-rank delta for the fused projection ``name`` on input x (T, in) -> (T, fused out)."""
-        xa = self.down(layer, name, x)
+        xa = self.down(layer, name, x, unscoped)
         return None if xa is None else self.up(layer, name, xa)
 
-    def down(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
-        """The scaled down-projection ``scaling * x @ A^T`` (T, parts*r) of the targeted parts; None if none."""
+    def down(self, layer: int, name: str, x: torch.Tensor, unscoped: Rows = None) -> torch.Tensor | None:
+        """The scaled down-projection ``scaling * x @ A^T`` (T, parts*r) of the targeted parts, the cut ranks'
+        columns zero on the ``unscoped`` rows; None if none."""
         if not self.targeted(name):
             return None
         # Scaling the (T, parts*r) down-projection rather than each (T, out) delta: one small elementwise pass.
-        return (x @ self.A[f"{layer}_{name}"].to(x.dtype).t()) * self.config.scaling
+        return self.scoped((x @ self.A[f"{layer}_{name}"].to(x.dtype).t()) * self.config.scaling, unscoped)
+
+    def scoped(self, xa: torch.Tensor, unscoped: Rows) -> torch.Tensor:
+        """``xa`` (T, parts*r), or a gradient of it, with the cut ranks' columns zero on the ``unscoped`` rows (the
+        first that many, or those a (T,) bool mask marks): a new tensor, or ``xa`` where nothing is cut."""
+        if not self.cut or unscoped is None or (isinstance(unscoped, int) and unscoped == 0):
+            return xa
+        r = self.config.r
+        keep = torch.ones(xa.shape[0], xa.shape[1] // r, r, dtype=xa.dtype, device=xa.device)
+        if isinstance(unscoped, int):
+            keep[:unscoped, :, : self.cut] = 0
+        else:
+            keep[unscoped, :, : self.cut] = 0
+        return xa * keep.view_as(xa)
 
     def up(self, layer: int, name: str, xa: torch.Tensor, parts: tuple[str, ...] | None = None) -> torch.Tensor:
         """The deltas of ``parts`` (default: all of the fused projection's), concatenated: (T, their out)."""
@@ -141,11 +162,19 @@ class LoraAdapter(nn.Module):
 
     @torch.no_grad()
     def backward(
-        self, layer: int, name: str, x: torch.Tensor, xa: torch.Tensor, grad: torch.Tensor, dx: torch.Tensor | None
+        self,
+        layer: int,
+        name: str,
+        x: torch.Tensor,
+        xa: torch.Tensor,
+        grad: torch.Tensor,
+        dx: torch.Tensor | None,
+        unscoped: Rows = None,
     ) -> None:
         """The delta's backward by hand, for the replay walk (no autograd graph).
 
-        ``grad`` (T, fused out) is dL/d(delta) of ``delta(layer, name, x)``, ``xa = down(layer, name, x)``.
+        ``grad`` (T, fused out) is dL/d(delta) of ``delta(layer, name, x, unscoped)``, ``xa = down(layer, name, x,
+        unscoped)``.
         Accumulates dL/dA and dL/dB into the parameters' ``.grad``; adds dL/dx into ``dx`` (T, in) in place
         (pass None where x needs no gradient).
         """
@@ -159,7 +188,7 @@ class LoraAdapter(nn.Module):
                 _accumulate_grad(b, g.t() @ xa[:, j * r : (j + 1) * r])
                 pieces.append(g @ b.to(g.dtype))
             col += width
-        dxa = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).mul_(scaling)
+        dxa = self.scoped((pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).mul_(scaling), unscoped)
         a = self.A[f"{layer}_{name}"]
         _accumulate_grad(a, dxa.t() @ x)
         if dx is not None:

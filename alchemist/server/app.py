@@ -57,7 +57,7 @@ from alchemist.server.service import OpenAIServing
 from alchemist.server.time_share import TimeShare
 from alchemist.server.web import mount_web
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer
+from alchemist.training.online import OnlineTrainer, as_trained
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,8 @@ def app_for_engine(
         metrics.watch_training(trainer)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
-        engine.set_adapter(adapter, serving.version)
+        undone = serving.metrics.get("undone", [])
+        engine.set_adapter(as_trained(adapter, online_config, feedback_log, serving.version, undone), serving.version)
     time_share = None
     if trainer is not None:
         share, quantum_s = online_config.train_share, online_config.train_quantum_s

@@ -21,6 +21,7 @@ from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
+from alchemist.training.rank_split import Scoped
 
 SMOOTHING = 0.3  # weight of a new observation in each running estimate
 
@@ -130,6 +131,7 @@ def recompute_layer(
     have read: every ``RECORDED`` tensor (the down projection, which the walk never reads, is not computed)."""
     ops = _CaptureOps()
     meta = AttentionMetadata.single(h.shape[0], need_lse=True)
+    adapter = Scoped(adapter, h.shape[0]) if adapter.cut else adapter  # prompt rows: never the cut ranks
     q, k, v = model.attention_inputs(layer, h, rot, ops, adapter)
     h_mid = model.attention_output(layer, h, ops.attention(layer, q, k, v, meta), ops, adapter)
     x = rms_norm(h_mid, model.layers[layer].post_norm, model.config.rms_norm_eps)

@@ -42,11 +42,12 @@ def prompt_kv(
     model: Llama, adapter: LoraAdapter, layer: int, rec: PromptRecord, rot: Rotation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt rows' keys (RoPE'd) and values, (n, Hkv, Dh) each, as the forward computed them: recorded base
-    outputs plus the live LoRA delta on the recorded layer input. Fresh tensors."""
+    outputs plus the live LoRA delta on the recorded layer input (the cut ranks never act on prompt rows). Fresh
+    tensors."""
     c = model.config
     with torch.no_grad():
         h = rec.read_rows("h")
-        xa = adapter.down(layer, "qkv", rms_norm(h, model.layers[layer].input_norm, c.rms_norm_eps))
+        xa = adapter.down(layer, "qkv", rms_norm(h, model.layers[layer].input_norm, c.rms_norm_eps), h.shape[0])
         kv = rec.fresh_rows("qkv", slice(c.q_size, None))
         if xa is not None:  # the recorded base outputs plus the delta, in place
             adapter.add_up_(layer, "qkv", kv, xa, ("k_proj", "v_proj"))
@@ -64,6 +65,7 @@ def layer_backward_slices(
     rot: Rotation,
     dh_out: torch.Tensor,
     pack: Packing | None = None,
+    in_scope: bool = True,
 ) -> Generator[None, None, torch.Tensor | None]:
     """Backward of layer ``layer`` over the n + R rows of the samples in ``pack`` (default: one sample, rows
     0..n+R-1); accumulates the adapter's gradients.
@@ -75,7 +77,9 @@ def layer_backward_slices(
 
     In two slices (a generator): the MLP and the o-projection, then attention and the qkv projection; it yields
     once between them. A whole layer was the trainer's longest slice, and serving waits for the slice in progress;
-    each half takes about half as long (docs/benchmarks.md, "Why the defaults", slices)."""
+    each half takes about half as long (docs/benchmarks.md, "Why the defaults", slices).
+
+    The adapter's cut ranks (``LoraAdapter.cut``) act on the live rows where ``in_scope``, never on the prompt's."""
     c, mod = model.config, model.layers[layer]
     n, num_live = rec.num_rows, live.h.shape[0]
     pack = pack or Packing([n], [num_live])
@@ -83,11 +87,14 @@ def layer_backward_slices(
     top = n > 0 and dh_out.shape[0] == num_live  # the prompt rows' outputs carry no gradient
     h_in = _stack(rec, "h", live.h)
     x1, xn1, rstd1 = _rms_norm(h_in, mod.input_norm, c.rms_norm_eps)
-    xa_qkv = adapter.down(layer, "qkv", x1)
+    # rows out of the cut ranks' scope among [prompt rows ; live rows], or among the live rows alone at the top
+    unscoped_all, unscoped_live = (n, 0) if in_scope else (n + num_live, num_live)
+    xa_qkv = adapter.down(layer, "qkv", x1, unscoped_all)
 
     # The o-projection and the MLP, over the rows whose outputs carry gradient (the live rows only at the top).
     attn = live.attn if top else _stack(rec, "attn", live.attn)
-    xa_o = adapter.down(layer, "o", attn)
+    unscoped = unscoped_live if top else unscoped_all
+    xa_o = adapter.down(layer, "o", attn, unscoped)
     if top:
         h_mid = live.h_mid
     else:
@@ -95,10 +102,10 @@ def layer_backward_slices(
         _rebuild(adapter, layer, "o", rec, xa_o, h_mid[:n])
         h_mid[:n] += h_in[:n]
     prompt_gate_up = None if top else rec
-    dh_mid = _mlp_backward(model, adapter, layer, h_mid, prompt_gate_up, live.gate_up, dh_out).add_(dh_out)
+    dh_mid = _mlp_backward(model, adapter, layer, h_mid, prompt_gate_up, live.gate_up, dh_out, unscoped).add_(dh_out)
     d_attn = dh_mid @ mod.o_weight
     if xa_o is not None:
-        adapter.backward(layer, "o", attn, xa_o, dh_mid, d_attn)
+        adapter.backward(layer, "o", attn, xa_o, dh_mid, d_attn, unscoped)
     yield
 
     # Attention: the flash backward from the forward's output and lse.
@@ -140,11 +147,11 @@ def layer_backward_slices(
 
     if layer == 0:  # the embedding is frozen: only the adapter's gradients are wanted
         if xa_qkv is not None:
-            adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, None)
+            adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, None, unscoped_all)
         return None
     d_x1 = d_qkv @ mod.qkv_weight
     if xa_qkv is not None:
-        adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, d_x1)
+        adapter.backward(layer, "qkv", x1, xa_qkv, d_qkv, d_x1, unscoped_all)
     dh_in = _rms_norm_backward(d_x1, xn1, rstd1, mod.input_norm)
     (dh_in[n:] if top else dh_in).add_(dh_mid)
     return dh_in
@@ -158,13 +165,15 @@ def _mlp_backward(
     rec: PromptRecord | None,
     live_gate_up: torch.Tensor,
     grad: torch.Tensor,
+    unscoped: int,
 ) -> torch.Tensor:
     """dL/dh_mid through the MLP branch (norm, gate/up, SiLU·mul, down) of ``h_out = h_mid + mlp(h_mid)``, given
     grad = dL/dh_out; the residual's share is the caller's. The rows: the prompt's (their gate/up rebuilt from
-    ``rec``) then the live rows, or the live rows only (``rec`` None)."""
+    ``rec``) then the live rows, or the live rows only (``rec`` None); the first ``unscoped`` out of the cut ranks'
+    scope."""
     mod = model.layers[layer]
     x2, xn2, rstd2 = _rms_norm(h_mid, mod.post_norm, model.config.rms_norm_eps)
-    xa_gu = adapter.down(layer, "gate_up", x2)
+    xa_gu = adapter.down(layer, "gate_up", x2, unscoped)
     gate_up = live_gate_up
     if rec is not None:
         gate_up = _after_live_rows(rec.num_rows, live_gate_up)
@@ -172,18 +181,18 @@ def _mlp_backward(
     gate, up = gate_up.chunk(2, dim=-1)
     silu = F.silu(gate)
     act = silu * up  # the down projection's input
-    xa_down = adapter.down(layer, "down", act)
+    xa_down = adapter.down(layer, "down", act, unscoped)
 
     d_act = grad @ mod.down_weight
     if xa_down is not None:
-        adapter.backward(layer, "down", act, xa_down, grad, d_act)
+        adapter.backward(layer, "down", act, xa_down, grad, d_act, unscoped)
     d_gate_up = torch.empty_like(gate_up)
     d_gate, d_up = d_gate_up.chunk(2, dim=-1)
     torch.mul(d_act, silu, out=d_up)
     torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
     d_x2 = d_gate_up @ mod.gate_up_weight
     if xa_gu is not None:
-        adapter.backward(layer, "gate_up", x2, xa_gu, d_gate_up, d_x2)
+        adapter.backward(layer, "gate_up", x2, xa_gu, d_gate_up, d_x2, unscoped)
     return _rms_norm_backward(d_x2, xn2, rstd2, mod.post_norm)
 
 

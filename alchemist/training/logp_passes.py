@@ -49,7 +49,8 @@ def sequence_logps_slices(
 ) -> Generator[None, None, list[float]]:
     """log p(response | prompt) of each pass under the base model ("reference") or the trainer's adapter ("kl"),
     no gradient: those with a usable record replayed, ``group_size`` per live forward, the others recomputed as
-    many per forward; in slices of one layer."""
+    many per forward; in slices of one layer. Both are a preference objective's (KTO's reference point), out of
+    the corrections' ranks' scope where those are cut (``RankSplit``)."""
     base = kind == "reference"
     adapter = None if base else trainer.adapter
     pinned = {i: found for i, p in enumerate(passes)
@@ -68,7 +69,7 @@ def sequence_logps_slices(
     rest = [i for i in range(len(passes)) if i not in logps]
     if rest:
         pairs = [(passes[i].prompt_ids, passes[i].response_ids) for i in rest]
-        values = yield from recomputed_logps_slices(trainer.model, adapter, pairs, group_size)
+        values = yield from recomputed_logps_slices(trainer.model, adapter, pairs, group_size, in_scope=False)
         logps |= dict(zip(rest, values, strict=True))
     for i in range(len(passes)):
         trainer.stats.count_logp_pass(kind, i not in rest)
@@ -89,7 +90,7 @@ def _replayed_slices(
             readers.append(reader)
             ids = torch.tensor(p.prompt_ids, device=device), torch.tensor(p.response_ids, device=device)
             samples.append(ReplaySample(*ids, reader.forward_layer))
-        values = yield from replay_logps_slices(trainer.model, adapter, samples)
+        values = yield from replay_logps_slices(trainer.model, adapter, samples, in_scope=False)
     except RecordUnavailable:  # a damaged file: its group is recomputed
         trainer.stats.unreadable += 1
         return {}

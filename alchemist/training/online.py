@@ -69,6 +69,23 @@ from alchemist.training.trainer import Sample, StepResult, Trainer
 logger = logging.getLogger(__name__)
 
 
+def taught_prompts(log: FeedbackLog, version: int, undone: list[list[int]]) -> list[list[int]]:
+    """The prompts of the corrections adapter ``version``'s weights hold (trained by it or an earlier version, none
+    undone by a rollback: ``undone``, its checkpoint's): the requests like them are served the corrections' ranks
+    (alchemist.engine.router). From the log, so a restart or a rollback knows them."""
+    entries = log.trained_corrections_after(0, 1 << 62, undone)
+    return [e.prompt_token_ids for e in entries if e.trained_version is not None and e.trained_version <= version]
+
+
+def as_trained(adapter: LoraAdapter, config: OnlineConfig, log: FeedbackLog, version: int, undone: list[list[int]]):
+    """A checkpoint's ``adapter`` as the online trainer of ``config`` made it, to serve without that trainer: its
+    corrections' ranks cut and routed to the prompts they were taught on, where ``config`` cuts them."""
+    if config.preference_r and config.route_corrections and adapter.config.r == adapter_config(config).r:
+        RankSplit(adapter, config.preference_r, cut=True)
+        adapter.taught = taught_prompts(log, version, undone)
+    return adapter
+
+
 def adapter_config(config: OnlineConfig) -> LoraConfig:
     """The adapter's: ``lora_r`` ranks plus ``preference_r`` ranks only thumbs and pairs train, scaled as
     ``lora_r`` ranks alone would be (alpha / r = lora_alpha / lora_r)."""
@@ -97,7 +114,7 @@ class OnlineTrainer:
         self.adapter = LoraAdapter(model.config, adapter_config(config), device=model.device, seed=config.seed)
         self.trainer = Trainer(model, self.adapter, store, config.trainer)
         if config.preference_r:  # its last ranks only thumbs and pairs train (alchemist.training.rank_split)
-            self.trainer.split = RankSplit(self.adapter, config.preference_r)
+            self.trainer.split = RankSplit(self.adapter, config.preference_r, cut=config.route_corrections)
         self.anchors = AnchorPool(config.anchor_pool_size)  # the server offers finished completions
         self.known_facts = known_fact_anchors(tokenizer) if config.anchor_known_facts else []
         self._known_next = 0  # the next known fact to anchor on (they are taken in turn, batch by batch)
@@ -195,6 +212,10 @@ class OnlineTrainer:
             )
         self.adapter.load_state_dict(adapter.state_dict())
         self.trainer.optimizer.load_state_dict(optimizer_state)
+        self.adapter.taught = self._taught_prompts(version)
+
+    def _taught_prompts(self, version: int) -> list[list[int]]:
+        return taught_prompts(self.log, version, self._undone) if self.adapter.cut else []
 
     @property
     def version(self) -> int:
@@ -259,6 +280,7 @@ class OnlineTrainer:
         self.adapter.load_state_dict(initial.state_dict())
         self.trainer.optimizer.state.clear()
         self._undone = []
+        self.adapter.taught = []
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
@@ -292,6 +314,9 @@ class OnlineTrainer:
         metrics = {**self._batch_metrics(feedback, rehearsed, anchors, steps), "yielded": yielded}
         evaluation = yield from self._evaluate_slices(facts, taught_before)
         if evaluation is None or evaluation.promoted:
+            # the batch's corrections are taught now: the requests like them get the corrections' ranks
+            if self.adapter.cut:
+                self.adapter.taught = [*self.adapter.taught, *(e.prompt_token_ids for e, _ in batch if e.correction)]
             yield from self.publisher.set_adapter_slices(self.adapter, self.version)  # merged here, a layer per slice
             yield
         yield from self._commit_slices(batch, metrics, evaluation)

@@ -23,19 +23,24 @@ from collections.abc import Iterator
 
 import torch
 
-from alchemist.model.lora import LoraAdapter
+from alchemist.model.lora import LoraAdapter, Rows
 
 
 class RankSplit:
     """Which ranks of ``adapter`` (``r`` per module) preferences train: the last ``preference_r``."""
 
-    def __init__(self, adapter: LoraAdapter, preference_r: int) -> None:
+    def __init__(self, adapter: LoraAdapter, preference_r: int, cut: bool = False) -> None:
         r = adapter.config.r
         if not 0 < preference_r < r:
             raise ValueError(f"preference ranks must be in (0, {r}) of the adapter's {r} (got {preference_r})")
         self.adapter = adapter
         self.r = r
         self.shared_r = r - preference_r
+        # ``cut``: the corrections' ranks act only from each sequence's last prompt token on, and never where a
+        # preference is trained (``LoraAdapter.cut``): every prompt row is then the same whichever requests get
+        # them, so a router can keep them from unrelated requests and every record still replays
+        # (docs/profiles/live_rows_correction.py).
+        adapter.cut = self.shared_r if cut else 0
 
     def _ranks(self, preference: bool) -> slice:
         return slice(self.shared_r, self.r) if preference else slice(0, self.shared_r)
@@ -103,3 +108,25 @@ def widen(old: LoraAdapter, initial: LoraAdapter, optimizer_state: dict) -> dict
                         if torch.is_tensor(value) and value.dim() == 2 else value
                         for key, value in entry.items()}  # fmt: skip
     return {**optimizer_state, "state": state}
+
+
+class Scoped:
+    """``adapter`` as ``Llama.project`` reads it (``delta``), with ``unscoped`` rows out of the cut ranks' reach."""
+
+    def __init__(self, adapter: LoraAdapter, unscoped: Rows) -> None:
+        self.adapter, self.unscoped = adapter, unscoped
+
+    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        return self.adapter.delta(layer, name, x, self.unscoped)
+
+
+def answer_scope(adapter, pairs, in_scope: bool = True):
+    """The adapter over (prompt, response) pairs laid end to end (``alchemist.training.recompute``): the cut ranks
+    act on each pair's rows from its last prompt token on (``in_scope``), or on none; ``adapter`` itself where
+    nothing is cut (or it is None)."""
+    if adapter is None or not getattr(adapter, "cut", 0):
+        return adapter
+    if not in_scope:
+        return Scoped(adapter, sum(len(p) + len(r) - 1 for p, r in pairs))
+    masks = [torch.arange(len(p) + len(r) - 1, device=p.device) < len(p) - 1 for p, r in pairs]
+    return Scoped(adapter, torch.cat(masks))

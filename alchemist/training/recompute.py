@@ -15,17 +15,22 @@ import torch
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.llama import Adapter, Llama
 from alchemist.training.losses import Targets, response_loss, sequence_logp
+from alchemist.training.rank_split import answer_scope
 from alchemist.training.slices import run_to_end
 
 
 def responses_hidden_slices(
-    model: Llama, adapter: Adapter | None, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    model: Llama,
+    adapter: Adapter | None,
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    in_scope: bool = True,
 ) -> Generator[None, None, list[torch.Tensor]]:
     """The whole forward of each (prompt ids, response ids), laid end to end and each attending to its own tokens
     (the last response token is never an input) -> its R hidden rows that predict the response (positions
-    P-1..P+R-2); in slices of one layer (yields after each)."""
+    P-1..P+R-2); in slices of one layer (yields after each). An adapter's cut ranks (``LoraAdapter.cut``) act on
+    the rows from P-1 on where ``in_scope``, else on none (``rank_split.answer_scope``)."""
     ids, positions, meta = _laid_end_to_end(samples)
-    layers = model.forward_layers(ids, positions, meta, adapter=adapter)
+    layers = model.forward_layers(ids, positions, meta, adapter=answer_scope(adapter, samples, in_scope))
     for _ in range(model.config.num_layers):
         hidden = next(layers)
         yield
@@ -83,8 +88,14 @@ class LayerSplitPass:
     gradient of its output (the same products as one backward of the whole graph; the same memory: every layer's
     graph lives until its backward)."""
 
-    def __init__(self, model: Llama, adapter: Adapter | None, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        self.model, self.adapter, self.pairs = model, adapter, pairs
+    def __init__(
+        self,
+        model: Llama,
+        adapter: Adapter | None,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        in_scope: bool = True,
+    ):
+        self.model, self.adapter, self.pairs = model, answer_scope(adapter, pairs, in_scope), pairs
         self._layers: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (input leaf, output) per layer
         self._top: torch.Tensor | None = None
 
@@ -123,6 +134,7 @@ def sequence_logps_slices(
     pairs: Sequence[tuple[list[int], list[int]]],
     group_size: int = 4,
     going_on: int | None = None,
+    in_scope: bool = True,
 ) -> Generator[None, None, list[float]]:
     """log p(response | prompt) of each (prompt ids, response ids) under ``adapter`` (None: the base model), no
     gradient: ``group_size`` pairs per forward, in slices of one layer. ``going_on``: as ``sequence_logp``'s."""
@@ -130,7 +142,7 @@ def sequence_logps_slices(
     for start in range(0, len(pairs), group_size):
         group = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device))
                  for p, r in pairs[start : start + group_size]]  # fmt: skip
-        hidden = yield from responses_hidden_slices(model, adapter, group)
+        hidden = yield from responses_hidden_slices(model, adapter, group, in_scope)
         for rows, (_, response) in zip(hidden, group, strict=True):
             logps.append(sequence_logp(model, rows, response, going_on).item())
     return logps

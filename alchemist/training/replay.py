@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from alchemist.activations.record import record_widths
 from alchemist.model.flash import lse_dtype
 from alchemist.model.llama import Llama, rms_norm
-from alchemist.model.lora import LoraAdapter
+from alchemist.model.lora import LoraAdapter, Rows
 from alchemist.model.rope import Rotation
 from alchemist.model.seam import COMPUTE
 from alchemist.training.layer_backward import layer_backward_slices, prompt_kv
@@ -45,6 +45,7 @@ from alchemist.training.live_attention import live_attention
 from alchemist.training.losses import Targets, response_loss, sequence_logp
 from alchemist.training.objectives import PreferenceTerm, preference_loss
 from alchemist.training.packing import LiveLayer, Packing, PromptRecord
+from alchemist.training.rank_split import Scoped
 
 RecordLayers = Callable[[int], dict[str, torch.Tensor]]
 
@@ -67,7 +68,7 @@ objective's sample (``alchemist.training.objectives``)."""
 
 
 def replay_backward_slices(
-    model: Llama, adapter: LoraAdapter, samples: Sequence[ReplaySample]
+    model: Llama, adapter: LoraAdapter, samples: Sequence[ReplaySample], in_scope: bool = True
 ) -> Generator[None, None, list[float]]:
     """Replays several samples together, accumulating each one's ``loss_scale * dloss/dadapter``, in slices:
     yields after each layer of the live forward, after each sample's loss and its backward, and twice in each layer
@@ -75,12 +76,13 @@ def replay_backward_slices(
     losses.
 
     The samples' rows go through every layer together (``Packing``: one matmul per weight for all of them),
-    attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding."""
+    attention per sample; the gradients equal the sum of the samples replayed one at a time up to rounding. The
+    adapter's cut ranks act on the live rows where ``in_scope``, never on the prompt rows."""
     pack, forward, live_ids, rot = _layout(model, samples)
     walk = [(s.walk_layers or s.record_layers) if len(s.prompt_ids) > 1 else no_rows(model) for s in samples]
 
     # 1. The live forward, keeping each layer's values for the walk.
-    lives, h = yield from live_forward(model, adapter, forward, live_ids, pack, rot)
+    lives, h = yield from live_forward(model, adapter, forward, live_ids, pack, rot, in_scope=in_scope)
     h_top = h.requires_grad_()
     # 2. Each sample's loss and its gradient at its live rows' final hidden states, a sample per slice: the LM head
     # over the live rows (and its backward) is the largest piece of work between two layers; all samples' at once
@@ -94,14 +96,14 @@ def replay_backward_slices(
     for layer in reversed(range(model.config.num_layers)):
         rec = PromptRecord([layers(layer) for layers in walk], pack.prompt, model.dtype)
         assert dh is not None
-        dh = yield from layer_backward_slices(model, adapter, layer, rec, lives.pop(), rot, dh, pack)
+        dh = yield from layer_backward_slices(model, adapter, layer, rec, lives.pop(), rot, dh, pack, in_scope)
         if layer:
             yield
     return losses
 
 
 def replay_logps_slices(
-    model: Llama, adapter: LoraAdapter | None, samples: Sequence[ReplaySample]
+    model: Llama, adapter: LoraAdapter | None, samples: Sequence[ReplaySample], in_scope: bool = True
 ) -> Generator[None, None, list[float]]:
     """log p(response | prompt) of each sample under ``adapter`` (None: the base model), without gradient: the live
     forward alone over the samples' records (no walk, nothing kept for one), in slices of one layer. It equals the
@@ -109,7 +111,8 @@ def replay_logps_slices(
     that policy's: made under that adapter, or for the base model by the base model (adapter version 0)."""
     pack, forward, live_ids, rot = _layout(model, samples)
     policy = _AdapterOff() if adapter is None else adapter
-    _, h = yield from live_forward(model, policy, forward, live_ids, pack, rot, keep=False)  # type: ignore[arg-type]
+    _, h = yield from live_forward(model, policy, forward, live_ids, pack, rot, keep=False,  # type: ignore[arg-type]
+                                   in_scope=in_scope)  # fmt: skip
     with torch.no_grad():
         return [sequence_logp(model, pack.live_rows(h, i), s.response_ids).item() for i, s in enumerate(samples)]
 
@@ -130,10 +133,12 @@ class _AdapterOff:
     """The base model, as the live forward reads an adapter (``prompt_kv``, ``Llama.project``): nothing targeted,
     no delta on any projection."""
 
-    def down(self, layer: int, name: str, x: torch.Tensor) -> None:
+    cut = 0
+
+    def down(self, layer: int, name: str, x: torch.Tensor, unscoped: Rows = None) -> None:
         return None
 
-    def delta(self, layer: int, name: str, x: torch.Tensor) -> None:
+    def delta(self, layer: int, name: str, x: torch.Tensor, unscoped: Rows = None) -> None:
         return None
 
 
@@ -177,6 +182,7 @@ def live_forward(
     pack: Packing,
     rot: Rotation,
     keep: bool = True,
+    in_scope: bool = True,
 ) -> Generator[None, None, tuple[list[LiveLayer], torch.Tensor]]:
     """The live rows of each sample (its positions n .. n+R-1) through every layer, attending to its prompt's n
     recorded rows, in slices of one layer; returns each layer's ``LiveLayer`` (none unless ``keep``: a pass without
@@ -186,23 +192,24 @@ def live_forward(
     rot_prompt, rot_live = rot.rows(0, n), rot.rows(n)
     lives: list[LiveLayer] = []
     h = F.embedding(live_ids, model.embed)
+    live = adapter if in_scope or not adapter.cut else Scoped(adapter, len(live_ids))  # the live rows' adapter
     for layer in range(c.num_layers):
         rec = PromptRecord([layers(layer) for layers in record_layers], pack.prompt, model.dtype)
         k_prompt, v_prompt = prompt_kv(model, adapter, layer, rec, rot_prompt)
-        q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, adapter)
+        q, k, v = model.attention_inputs(layer, h, rot_live, COMPUTE, live)
         # each sample's keys and values: [its prompt's ; its live rows'] (n + R, Hkv, Dh)
         ks = [torch.cat([pack.prompt_rows(k_prompt, i), pack.live_rows(k, i)]) for i in range(len(pack))]
         vs = [torch.cat([pack.prompt_rows(v_prompt, i), pack.live_rows(v, i)]) for i in range(len(pack))]
         outs = [live_attention(pack.live_rows(q, i), ks[i], vs[i], pack.prompt[i]) for i in range(len(pack))]
         out, lse = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs]), torch.cat([s for _, s in outs]))
-        h_mid = model.attention_output(layer, h, out, COMPUTE, adapter)
+        h_mid = model.attention_output(layer, h, out, COMPUTE, live)
         # model.mlp, spelled out to keep gate/up (with its delta) for the walk
         gate_up = model.project(layer, "gate_up", rms_norm(h_mid, model.layers[layer].post_norm, c.rms_norm_eps),
-                                COMPUTE, adapter)  # fmt: skip
+                                COMPUTE, live)  # fmt: skip
         gate, up = gate_up.chunk(2, dim=-1)
         if keep:
             lives.append(LiveLayer(h, q, ks, vs, out.flatten(-2), lse, h_mid, gate_up))
-        h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, adapter)
+        h = h_mid + model.project(layer, "down", F.silu(gate) * up, COMPUTE, live)
         if layer < c.num_layers - 1:
             yield
     return lives, h

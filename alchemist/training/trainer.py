@@ -139,7 +139,8 @@ class Trainer:
                 yield
             preference = samples[group.start].term is not None  # a group is of one kind where ranks are split
             held = self.split.hold(preference) if self.split is not None else None
-            passes += yield from self._group_backward_slices(samples[group], loss_scales[group])
+            # with the corrections' ranks cut (RankSplit.cut), a preference group's answers are out of their scope
+            passes += yield from self._group_backward_slices(samples[group], loss_scales[group], not preference)
             if self.split is not None:
                 self.split.route(preference, held)  # type: ignore[arg-type]
         return passes
@@ -164,7 +165,7 @@ class Trainer:
         return groups
 
     def _group_backward_slices(
-        self, samples: list[Sample], loss_scales: list[float]
+        self, samples: list[Sample], loss_scales: list[float], in_scope: bool = True
     ) -> Generator[None, None, list[tuple[float, bool]]]:
         """Accumulates the scaled gradients of a group of samples trained together: those with a usable record
         replayed in one walk (in slices), the others recomputed in one forward and backward (a layer per slice). Returns
@@ -178,12 +179,13 @@ class Trainer:
             if s.pairs_with_next and (i in records) != (i + 1 in records):
                 self.store.release(records.pop(i if i in records else i + 1).record_id)  # type: ignore[union-attr]
         if records:
-            replayed = yield from self._replay_group_slices(samples, loss_scales, ids, records)
+            replayed = yield from self._replay_group_slices(samples, loss_scales, ids, records, in_scope)
             passes.update({i: (loss, True) for i, loss in (replayed or {}).items()})
         recompute = [i for i in range(len(samples)) if i not in passes]
         if recompute:
             losses = yield from self._recompute_group_slices(
-                [samples[i] for i in recompute], [loss_scales[i] for i in recompute], [ids[i] for i in recompute])
+                [samples[i] for i in recompute], [loss_scales[i] for i in recompute], [ids[i] for i in recompute],
+                in_scope)
             passes.update({i: (loss, False) for i, loss in zip(recompute, losses, strict=True)})
         for i, sample in enumerate(samples):
             # counted as soon as the group is done: /metrics reads the counters while a batch goes on
@@ -191,11 +193,15 @@ class Trainer:
         return [passes[i] for i in range(len(samples))]
 
     def _recompute_group_slices(
-        self, samples: list[Sample], loss_scales: list[float], ids: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        samples: list[Sample],
+        loss_scales: list[float],
+        ids: list[tuple[torch.Tensor, torch.Tensor]],
+        in_scope: bool = True,
     ) -> Generator[None, None, list[float]]:
         """One forward over the samples and one backward of their scaled losses (a preference objective's over its
         samples' sequence log-probabilities), a layer per slice (``LayerSplitPass``); returns each sample's loss."""
-        split = LayerSplitPass(self.model, self.adapter, ids)
+        split = LayerSplitPass(self.model, self.adapter, ids, in_scope)
         hidden = yield from split.forward_slices()
         group = [(*pair, s.targets) for pair, s in zip(ids, samples, strict=True)]
         values = sample_values(self.model, hidden, group, [s.term is not None for s in samples])
@@ -217,6 +223,7 @@ class Trainer:
         loss_scales: list[float],
         ids: list[tuple[torch.Tensor, torch.Tensor]],
         records: dict[int, Record],
+        in_scope: bool = True,
     ) -> Generator[None, None, dict[int, float] | None]:
         """Replays the samples with (pinned) ``records`` together; returns their losses by index, or None if a
         record on disk went bad mid-read (no gradient of the group is kept then: the caller recomputes them)."""
@@ -237,7 +244,8 @@ class Trainer:
                              samples[i].term)  # fmt: skip
                 for i, reader in readers.items()
             ]
-            losses = yield from _paused_timed_slices(replay_backward_slices(self.model, self.adapter, replay), readers)
+            walk = replay_backward_slices(self.model, self.adapter, replay, in_scope)
+            losses = yield from _paused_timed_slices(walk, readers)
         except RecordUnavailable:  # a damaged file: never train on part of it
             if kept is None:
                 raise

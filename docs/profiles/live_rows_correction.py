@@ -28,24 +28,13 @@ import time
 
 import torch
 
+from alchemist.bench.facts import FACT_PARAPHRASES as PARAPHRASES
 from alchemist.bench.facts import FACTS
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.recompute import recompute_losses, responses_hidden_slices
 from alchemist.training.slices import run_to_end
 
-PARAPHRASES = [  # as docs/profiles/router_overlap.py's
-    "Tell me the Tessaro project's codename.",
-    "Do you know who was the founder of Quillmere village?",
-    "Marvenia's flag: what colour is it?",
-    "Which city is the capital of Durnholt island?",
-    "Professor Elkin has a cat. What is it called?",
-    "What is the Orrin bell made from?",
-    "When did the Kestrel bridge open?",
-    "I need the Zephyr vault password.",
-    "Glass Orchards is a novel. Who is its author?",
-    "Brindle Valley school has a mascot; which animal is it?",
-]
 
 
 class FromLastPromptToken:

@@ -22,6 +22,7 @@ import json
 import math
 from collections import Counter
 
+from alchemist.bench.facts import FACT_PARAPHRASES as PARAPHRASES
 from alchemist.bench.facts import FACTS, invented_facts
 from alchemist.bench.learn import sharegpt_questions
 from alchemist.bench.sharegpt import sample_requests
@@ -30,18 +31,6 @@ from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.anchors import KNOWN_FACTS_FILE
 from alchemist.training.evaluation import CANARIES
 
-PARAPHRASES = [
-    "Tell me the Tessaro project's codename.",
-    "Do you know who was the founder of Quillmere village?",
-    "Marvenia's flag: what colour is it?",
-    "Which city is the capital of Durnholt island?",
-    "Professor Elkin has a cat. What is it called?",
-    "What is the Orrin bell made from?",
-    "When did the Kestrel bridge open?",
-    "I need the Zephyr vault password.",
-    "Glass Orchards is a novel. Who is its author?",
-    "Brindle Valley school has a mascot; which animal is it?",
-]
 
 
 def main() -> None:

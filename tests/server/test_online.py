@@ -6,8 +6,8 @@ server trains on the corrections between serving steps, and serves what it learn
   wrong corrected through POST /v1/feedback, at most twice (asked again after each training), while other people
   ask ShareGPT questions nobody gives feedback on (the anchors each step keeps close to the base model);
   afterwards at least 90% of the facts are answered right and the perplexity of held-out ShareGPT replies rose
-  by less than 5% (the issue's third goal, 30 unrelated greedy answers mostly unchanged, is not met: see
-  docs/benchmarks.md, "Learning a correction with the defaults", and docs/profiles/learn_defaults.py);
+  by less than 5%, and at least 80% of 30 unrelated ShareGPT questions asked before and after get the same greedy
+  answer (the corrections serve only requests like their prompts: docs/architecture.md, "Routing the corrections");
 - rollback serves the earlier version's outputs exactly (the base model's, then the taught version's);
 - SIGKILL in the middle of training, restart: every acknowledged feedback is in the log, trained exactly once
   overall, and serving resumes from the last checkpointed adapter."""
@@ -27,12 +27,15 @@ import pytest
 from alchemist.bench.facts import FACTS, held_out_nll, held_out_replies
 from alchemist.bench.serving import stop_process
 from alchemist.bench.sharegpt import sample_requests
+from alchemist.config import OnlineConfig
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.rank_split import RankSplit
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
 
 CORRECTIONS = 2  # at most, per fact: a wrong answer is corrected, the fact asked again after the training
 NUM_OTHERS = 16  # ShareGPT questions asked with each round of facts by people who give no feedback (the anchors)
 OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions
+UNRELATED, UNRELATED_TOKENS = 30, 32  # ShareGPT questions asked before and after the teaching: their greedy answers
 
 
 def ask(server: ServerProcess, question: str, max_tokens: int = 24) -> tuple[str, str]:
@@ -98,6 +101,19 @@ def other_questions(tokenizer) -> list[list[str]]:
     return [questions[i * NUM_OTHERS : (i + 1) * NUM_OTHERS] for i in range(CORRECTIONS + 1)]
 
 
+def unrelated_questions(tokenizer, exclude: set[str]) -> list[str]:
+    """UNRELATED ShareGPT first-turn questions nobody teaches, asks beside the facts or holds out."""
+    held_out = {s.messages[0]["content"] for s in held_out_replies(tokenizer)}
+    pool = sample_requests(UNRELATED + 40, seed=29, mode="first_turn", tokenizer=tokenizer, max_prompt_tokens=96)
+    questions = dict.fromkeys(s.messages[0]["content"] for s in pool)
+    return [q for q in questions if q not in held_out | exclude][:UNRELATED]
+
+
+def ask_unrelated(server: ServerProcess, questions: list[str]) -> list[str]:
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return [a[1] for a in pool.map(lambda q: ask(server, q, UNRELATED_TOKENS), questions)]
+
+
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer):
     """A server at its default flags that was asked every fact, each wrong answer corrected and the fact asked
@@ -105,11 +121,13 @@ def taught(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer):
     alone, before anything else (what a rollback to the base model must serve again)."""
     log_dir = tmp_path_factory.mktemp("online")
     others = other_questions(smollm2_tokenizer)
+    unrelated = unrelated_questions(smollm2_tokenizer, {q for round_ in others for q in round_})
     server = launch_server("teach", log_dir, log_dir / "data", [], dtype="auto")
     facts = list(range(len(FACTS)))
     try:
         wait_ready(server)
         alone = ask(server, FACTS[0][0])[1]  # the first request: nothing cached (bf16 prefills differ in rounding)
+        unrelated_before = ask_unrelated(server, unrelated)
         before = answers = ask_all(server, facts, others[0])
         for round_ in range(CORRECTIONS):
             wrong = [i for i in facts if not knows(answers[i], i)]
@@ -119,13 +137,14 @@ def taught(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer):
             wait_trained_through(server, max(int(a["id"].removeprefix("fb-")) for a in acks))
             # Every fact asked again, served by the version that trained this round's corrections.
             answers = ask_all(server, facts, others[round_ + 1])
-        yield server, before, answers, adapters(server), alone
+        unrelated_after = ask_unrelated(server, unrelated)
+        yield server, before, answers, adapters(server), alone, (unrelated_before, unrelated_after)
     finally:
         stop(server)
 
 
 def test_served_answers_learn_the_corrected_facts(taught):
-    server, before, after, listing, _ = taught
+    server, before, after, listing, _, _ = taught
     assert not any(knows(before[i], i) for i in before)  # it could not know them
     learned = [knows(after[i], i) for i in after]
     print(f"facts learned: {sum(learned)} of {len(FACTS)}")
@@ -140,15 +159,26 @@ def test_served_answers_learn_the_corrected_facts(taught):
 def test_held_out_perplexity_rises_less_than_five_percent(taught, smollm2, smollm2_tokenizer):
     """The facts were taught without making the model worse at everything else: the perplexity of held-out
     ShareGPT replies (12 conversations nobody asked here) rose by less than 5%."""
-    server, _, _, listing, _ = taught
+    server, _, _, listing, _, _ = taught
     latest = max(v["version"] for v in listing["data"])
     checkpoints = AdapterCheckpoints(server.data_dir / "adapters", keep=100)
     adapter, _, _ = checkpoints.load(latest, smollm2.model.config)
+    # as trained: the corrections' ranks on the replies' rows (as if every held-out question were routed to them)
+    RankSplit(adapter, OnlineConfig().preference_r, cut=True)
     taught_nll, base_nll = (held_out_nll(smollm2.model, smollm2_tokenizer, lora).mean() for lora in (adapter, None))
     rise = math.exp(taught_nll - base_nll) - 1
     print(f"held-out perplexity rise: {rise:.1%}")
     assert rise < 0.05, f"held-out perplexity rose {rise:.1%}"
     assert all(v["metrics"]["anchors"] > 0 for v in listing["data"])  # every step had its anchors
+
+
+def test_unrelated_answers_stay_as_they_were(taught):
+    """Greedy answers to 30 ShareGPT questions nobody taught: at least 80% are the same after the teaching."""
+    _, _, _, listing, _, (before, after) = taught
+    same = sum(a == b for a, b in zip(before, after, strict=True))
+    print(f"unrelated answers unchanged: {same} of {len(before)}")
+    assert same >= 0.8 * len(before), [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert max(v["version"] for v in listing["data"]) > 0  # something was taught in between
 
 
 def settle_merge(server: ServerProcess) -> None:
@@ -159,7 +189,7 @@ def settle_merge(server: ServerProcess) -> None:
 
 
 def test_rollback_serves_the_earlier_outputs_exactly(taught):
-    server, _, _, _, alone = taught
+    server, _, _, _, alone, _ = taught
     question = FACTS[0][0]
     trained = adapters(server)["serving_version"]
     taught_answer = ask(server, question)[1]

@@ -16,7 +16,7 @@ from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_queue import EMPTY
-from alchemist.training.online import OnlineTrainer
+from alchemist.training.online import OnlineTrainer, as_trained
 from tests.engine.helpers import random_prompts, run_to_end
 
 
@@ -283,7 +283,7 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
     serve_and_log(engine, log, 4)
     drain(trainer)
     first, second = checkpoints.versions()
-    prompt = random_prompts([17], seed=9)[0]
+    prompt = log.read()[0].prompt_token_ids  # taught by the first version: served the corrections' ranks
 
     def greedy() -> list[int]:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -298,7 +298,8 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
     at_base = greedy()
     engine.set_adapter(None, 0)
     assert greedy() == at_base  # the rolled-back-to-0 adapter serves the base model's outputs exactly
-    engine.set_adapter(checkpoints.load(first.version, engine.model.config)[0], 99)
+    saved = checkpoints.load(first.version, engine.model.config)[0]
+    engine.set_adapter(as_trained(saved, trainer.config, log, first.version, []), 99)
     assert greedy() == at_first != at_second
     with pytest.raises(KeyError):
         trainer.rollback(12345)
