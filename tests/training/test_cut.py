@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from alchemist.model.loader import build_model
-from alchemist.model.lora import FUSED_PARTS, LoraAdapter, LoraConfig
+from alchemist.model.lora import FUSED_PARTS, LoraAdapter
 from alchemist.training.rank_split import RankSplit, Scoped
 from alchemist.training.recompute import LayerSplitPass, recompute_losses, sample_values
 from alchemist.training.replay import ReplaySample, replay_backward_slices
 from alchemist.training.slices import run_to_end
 from tests.training.recording import record_alone
+from tests.training.test_rank_split import PREFERENCE_R, R
+from tests.training.test_rank_split import _adapter as random_b_adapter
 from tests.training.test_replay import grads_of, max_rel_l2
-
-R, PREFERENCE_R = 6, 2
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,7 @@ def model(tiny_dirs):
 
 
 def _adapter(model) -> LoraAdapter:
-    adapter = LoraAdapter(model.config, LoraConfig(r=R, alpha=2.0 * R), seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for b in adapter.B.values():
-            b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    adapter = random_b_adapter(model)
     RankSplit(adapter, PREFERENCE_R, cut=True)
     return adapter
 
