@@ -92,7 +92,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         rc = record_config or RecordConfig(policy="none")
         self.store = store if store is not None else ActivationStore.from_config(rc)
-        self.router: Router | None = None  # which requests the corrections' ranks serve (with the adapter served)
         self.recorder = None
         if rc.policy != "none":
             self.recorder = Recorder(rc, self.store, model.config, model.device, compute_dtype=model.dtype)
@@ -182,7 +181,9 @@ class LLMEngine:
         mine, theirs = self.model.config, adapter.model_config
         if mine.num_layers != theirs.num_layers or part_shapes(mine) != part_shapes(theirs):
             raise ValueError("adapter was made for a model of another shape (its model_config differs)")
-        return ServedAdapter(adapter, self.model.dtype, self.model.device)
+        served = ServedAdapter(adapter, self.model.dtype, self.model.device)
+        served.router = self._router(served)  # in the caller's thread: decoding every taught prompt takes a while
+        return served
 
     def _queue_adapter(self, served: ServedAdapter | None, version: int, merged: MergedLinearOps | None) -> None:
         with self._lock:
@@ -298,7 +299,6 @@ class LLMEngine:
             pending, self._pending = self._pending, _Pending()
             if pending.adapter is not None:  # under the lock, so that adapter_version never goes back
                 self.runner.set_adapter(*pending.adapter)
-                self.router = self._router(pending.adapter[0])
         for seq in pending.adds:
             # decided once, under the adapter its prefill starts with: its prompt rows are the same either way
             seq.routed = self.router is not None and self.router.routes(seq.prompt_token_ids)
@@ -316,9 +316,14 @@ class LLMEngine:
             self._aborted.append(self._output(seq))
             self._num_finished += 1
 
-    def _router(self, served: ServedAdapter | None) -> Router | None:
+    @property
+    def router(self) -> Router | None:
+        """Which requests the corrections' ranks of the adapter serving now serve (None: every request alike)."""
+        return None if self.runner.adapter is None else self.runner.adapter.router
+
+    def _router(self, served: ServedAdapter) -> Router | None:
         """The router of an adapter whose corrections' ranks are cut (None: every request served alike)."""
-        if served is None or not served.cut:
+        if not served.cut:
             return None
         router = Router(self.tokenizer.decode, self.tokenizer.decode(self.tokenizer.user_prompt("")),
                         self.config.route_threshold)  # fmt: skip

@@ -125,13 +125,15 @@ class ModelRunner:
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
         adapter: Adapter | None = self.adapter
+        # the corrections' ranks act on the answer rows of routed requests only (found in Python: no device sync)
         answer = self.answer_rows(batch) if self.adapter is not None and self.adapter.cut else None
-        if answer is not None:  # the corrections' ranks on the answer rows of routed requests only
-            adapter = RowScope(self.adapter, answer)  # type: ignore[arg-type]
         if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
             ops, adapter = self.merged, None
-            if answer is not None and bool(answer.any()):
-                adapter = AnswerRows(self.adapter, answer.nonzero().flatten())  # type: ignore[arg-type]
+            if answer:  # the merge leaves the corrections' ranks out: their delta on these rows alone
+                rows = torch.tensor(answer, dtype=torch.long, device=device)
+                adapter = AnswerRows(self.adapter, rows)  # type: ignore[arg-type]
+        elif answer is not None:
+            adapter = RowScope(self.adapter, answer, len(ids))  # type: ignore[arg-type]
         if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None and meta.all_decode:
             slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
             hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
@@ -145,14 +147,18 @@ class ModelRunner:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
         return self.logits(hidden), sampling
 
-    def answer_rows(self, batch: ScheduledBatch) -> torch.Tensor:
-        """(T,) bool: the batch's rows the cut ranks act on, a routed request's from its last prompt token on
+    @staticmethod
+    def answer_rows(batch: ScheduledBatch) -> list[int]:
+        """The batch's rows the cut ranks act on: a routed request's from its last prompt token on
         (``alchemist.training.rank_split``: every other row is the same routed or not)."""
-        rows = []
+        rows: list[int] = []
+        row = 0
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
-            start, first = seq.num_computed_tokens, seq.num_prompt_tokens - 1
-            rows.extend(seq.routed and start + i >= first for i in range(num))
-        return torch.tensor(rows, dtype=torch.bool, device=self.model.device)
+            if seq.routed:
+                first = max(seq.num_prompt_tokens - 1 - seq.num_computed_tokens, 0)  # within this step's rows
+                rows.extend(range(row + first, row + num))
+            row += num
+        return rows
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.logits`` (final norm, LM head), with the packed LM head where the fast path applies."""

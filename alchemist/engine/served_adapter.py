@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from alchemist.engine.router import Router
 from alchemist.model.lora import FUSED_PARTS, LoraAdapter, part_shapes
 
 # From this many rows a bf16 model's delta runs in bf16: SmolLM2's fused deltas cost the same in both dtypes at 32
@@ -34,6 +35,7 @@ FP32_MAX_ROWS = 32
 class ServedAdapter:
     def __init__(self, adapter: LoraAdapter, model_dtype: torch.dtype, device: torch.device | str) -> None:
         self.dtype = torch.promote_types(model_dtype, torch.float32)  # fp64 models (tests) keep fp64
+        self.device = torch.device(device)
         r, scaling = adapter.config.r, adapter.config.scaling
         shapes = part_shapes(adapter.model_config)
         tensors = adapter.module_tensors()  # (layer, PEFT module, "A" | "B") -> (r, in) | (out, r), views
@@ -60,6 +62,7 @@ class ServedAdapter:
         # of the merge. Per fused projection: which columns of ``scaling * A^T`` (rows of ``B^T``) are theirs.
         self.cut = adapter.cut
         self.taught = [list(p) for p in adapter.taught]  # the prompts they were taught on (alchemist.engine.router)
+        self.router: Router | None = None  # made from them by the engine (it knows the tokenizer), off serving's time
         self._cut: dict[tuple[int, str], torch.Tensor] = {}
         if self.cut:
             for key, (at, _) in self._weights.items():
@@ -114,11 +117,13 @@ class ServedAdapter:
 
 
 class RowScope:
-    """A served adapter as ``Llama.project`` reads it for one batch: its cut ranks only on the ``answer`` rows (a
-    (T,) bool mask: the rows of routed requests from their last prompt token on)."""
+    """A served adapter as ``Llama.project`` reads it for one batch of ``num_rows`` rows: its cut ranks only on the
+    ``answer`` rows (indices: the rows of routed requests from their last prompt token on)."""
 
-    def __init__(self, adapter: ServedAdapter, answer: torch.Tensor) -> None:
-        self.adapter, self.unscoped = adapter, ~answer
+    def __init__(self, adapter: ServedAdapter, answer: list[int], num_rows: int) -> None:
+        self.adapter = adapter
+        self.unscoped = torch.ones(num_rows, dtype=torch.bool, device=adapter.device)
+        self.unscoped[answer] = False
 
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
         return self.adapter.delta(layer, name, x, self.unscoped)

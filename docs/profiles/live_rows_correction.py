@@ -36,7 +36,6 @@ from alchemist.training.recompute import recompute_losses, responses_hidden_slic
 from alchemist.training.slices import run_to_end
 
 
-
 class FromLastPromptToken:
     """The adapter's delta on the rows at positions P-1 and later of each (prompt, response) laid end to end (as
     ``alchemist.training.recompute`` lays them), zero on the prompt's other rows."""

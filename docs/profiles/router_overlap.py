@@ -32,7 +32,6 @@ from alchemist.training.anchors import KNOWN_FACTS_FILE
 from alchemist.training.evaluation import CANARIES
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--facts", type=int, default=50, help="invented facts taught beside the ten bench facts")
