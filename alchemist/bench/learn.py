@@ -9,8 +9,9 @@ Parts (each one's rows carry ``part``; each builds its own parts, so they can ru
   beside ``--others`` ShareGPT questions nobody gives feedback on (the trainer's anchors); each round corrects the
   wrong answers and trains until nothing is queued, then asks again. A row per round: the facts known after that
   many corrections each (at most), the mini-batches trained and how many versions the evaluation gate promoted or
-  blocked. Then the held-out perplexity rise (12 ShareGPT replies, fp32, vs the base model) and how many of
-  ``--unrelated`` other ShareGPT questions keep their greedy answer (32 tokens, and its first 16);
+  blocked (and the facts not known, with their answers, on stderr). Then the held-out perplexity rise (12 ShareGPT
+  replies, fp32, vs the base model) and how many of ``--unrelated`` other ShareGPT questions keep their greedy answer
+  (32 tokens, and its first 16);
 - ``forgetting``: ``--facts`` facts made from templates (``invented_facts``), taught one after another (asked;
   corrected and trained if wrong, at most twice), all taught so far asked again after every tenth: how many of the
   first ten are still known (and of all of them);
@@ -108,6 +109,9 @@ def teach(args: argparse.Namespace, config: OnlineConfig, workdir: Path) -> list
         rows.append({"part": "teach", "round": round_, "known": sum(held), "of": len(facts),
                      "corrected": len(wrong), **report.row()})  # fmt: skip
         print_rows(rows[-1:], True, sys.stderr)
+        for answer, (question, _, _), ok in zip(answers, facts, held, strict=True):
+            if not ok:
+                print(f"# round {round_}, not known: {question!r} -> {answer.text!r}", file=sys.stderr)
     after = rig.ask(unrelated, UNRELATED_TOKENS)
     same = sum(a.output_ids == b.output_ids for a, b in zip(before, after, strict=True))
     same_16 = sum(a.output_ids[:16] == b.output_ids[:16] for a, b in zip(before, after, strict=True))

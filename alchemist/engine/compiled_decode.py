@@ -22,7 +22,9 @@ inputs, not constants, so a newly merged adapter serves without recompiling. ind
 It applies to forwards that add no separate adapter delta and record nothing (every decode step but those right
 after a swap whose merge is not complete), on a CPU where our decode kernel runs: ``EngineConfig.compile_decode``.
 fp32 greedy tokens equal the eager path's (tests/engine/test_compiled_decode.py); in bf16 inductor keeps some
-intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels.
+intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels (its
+batch-1 graph and dynamic graph too: a bf16 greedy answer depends on the batches it decodes in, docs/benchmarks.md
+"Greedy answers and the batches they decode in").
 """
 
 from __future__ import annotations
