@@ -189,6 +189,7 @@ BAD_FLAGS = [
     (["--train-rollback-margin", "-0.1"], "--train-rollback-margin must be >= 0"),
     (["--train-rollback-z", "-1"], "--train-rollback-z must be >= 0"),
     (["--train-protect-energy", "1"], "--train-protect-energy must be in [0, 1)"),
+    (["--train-target-token-p", "1"], "--train-target-token-p must be in [0, 1)"),
     (["--train-key-share", "0"], "--train-key-share must be in (0, 1]"),
     (["--train-share", "1"], "--train-share must be in [0, 1)"),
     (["--train-quantum-ms", "2000"], "--train-quantum-ms must be between 0 and a second (got 2000)"),

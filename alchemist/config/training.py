@@ -79,6 +79,11 @@ class OnlineConfig:
     epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 8
     target_loss: Annotated[float, flag("train-target-loss", "a mini-batch's steps end once every correction's loss "
                                        "(mean per token) is under this (0: always --train-epochs)")] = 0.2  # fmt: skip
+    # ... and each correction is learned: every one of its tokens likelier than this given the ones before, under the
+    # adapter as updated (greedy decoding, fed the correction so far, says it). Under the mean loss alone, batches
+    # stopped with a wrong name or year left (docs/benchmarks.md, "Learning a correction with the defaults").
+    target_token_p: Annotated[float, flag("train-target-token-p", "... and once each correction's every token has "
+                                          "at least this probability (0: the mean loss alone)")] = 0.5  # fmt: skip
     # ... unless corrections queue up behind it: then it ends at the step where one has waited yield_after_s, so that
     # under a load of corrections every batch still trains and the backlog does not grow by 8 steps a batch
     # (docs/benchmarks.md, "Online loop"; what such a batch did not learn, rehearsal revisits).
@@ -211,6 +216,7 @@ class OnlineConfig:
         check_non_negative(self, "rollback_margin", "rollback_z")
         check(self, self.thumbs_up in ("kto", "sft"), "thumbs_up", "must be 'kto' or 'sft'")
         check(self, 0.0 <= self.protect_energy < 1.0, "protect_energy", "must be in [0, 1)")
+        check(self, 0.0 <= self.target_token_p < 1.0, "target_token_p", "must be in [0, 1)")
         check(self, 0.0 < self.key_share <= 1.0, "key_share", "must be in (0, 1]")
         check(self, 0.0 <= self.train_share < 1.0, "train_share", "must be in [0, 1)")
         check(self, 0.0 <= self.train_quantum_s <= 1.0, "train_quantum_s", "must be between 0 and a second")

@@ -72,3 +72,10 @@ def sequence_logp(
         p_end = logp[:, going_on].exp().clamp(max=1.0 - 1e-6)  # a certain end would make the rest infinitely likely
         taken = taken - torch.where(goes_on, torch.log1p(-p_end), 0.0)
     return taken.sum()
+
+
+def least_token_logp(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+    """The smallest log-probability of a response token given the tokens before it, from the R hidden rows: above
+    log 1/2 every token is likelier than all others together, so greedy decoding, fed the response so far, says
+    each of them (the online trainer's test that a correction is learned)."""
+    return log_probs(model.logits(hidden)).gather(-1, response_ids[:, None]).min()

@@ -58,9 +58,11 @@ from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.evaluation import Evaluation, EvaluationGate, GateBounds, Pair
 from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
 from alchemist.training.feedback_queue import FeedbackQueue
+from alchemist.training.losses import least_token_logp
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.rank_split import RankSplit, widen
+from alchemist.training.recompute import response_values_slices
 from alchemist.training.regression import RegressionBounds, find_regression
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.slices import run_to_end
@@ -306,7 +308,8 @@ class OnlineTrainer:
             if not step.updated:
                 return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
             steps.append((samples, step))
-            if self._reached_target(samples, step.passes):
+            last = epoch + 1 == self.config.epochs
+            if not last and self._reached_target(samples, step.passes) and (yield from self._learned_slices(samples)):
                 break
             if epoch + 1 < self.config.epochs and self._yields(batch):
                 yielded = True
@@ -442,6 +445,21 @@ class OnlineTrainer:
         target = self.config.target_loss
         return bool(target) and all(loss < target for s, (loss, _) in zip(samples, results, strict=False)
                                     if s.term is None)  # fmt: skip
+
+    def _learned_slices(self, samples: list[Sample]) -> Generator[None, None, bool]:
+        """Whether the adapter as updated now says each of the batch's corrections (and thumbs-up answers) itself:
+        every token likelier than ``target_token_p`` given those before it, a pass without gradient over them
+        (``target_token_p`` 0: true). Asked once their mean losses are under ``target_loss``, which a correction
+        with a wrong name or year left passed the same."""
+        p = self.config.target_token_p
+        sft = [(s.prompt_ids, s.response_ids) for s in samples if s.term is None]
+        if not p or not sft:
+            return True
+        model = self.trainer.model
+        least = yield from response_values_slices(model, self.adapter, sft, partial(least_token_logp, model),
+                                                  self.config.trainer.group_size)  # fmt: skip
+        self.stats.learned_checks += 1
+        return min(least) > math.log(p)
 
     def _yields(self, batch: list[tuple[FeedbackEntry, Item]]) -> bool:
         """Whether the batch's further steps yield to the backlog: a correction queued behind it has waited

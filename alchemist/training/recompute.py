@@ -8,7 +8,7 @@ rehearsed chat corrections took seconds; docs/benchmarks.md, "Online loop").
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -127,7 +127,6 @@ class LayerSplitPass:
             yield
 
 
-@torch.no_grad()
 def sequence_logps_slices(
     model: Llama,
     adapter: Adapter | None,
@@ -138,14 +137,29 @@ def sequence_logps_slices(
 ) -> Generator[None, None, list[float]]:
     """log p(response | prompt) of each (prompt ids, response ids) under ``adapter`` (None: the base model), no
     gradient: ``group_size`` pairs per forward, in slices of one layer. ``going_on``: as ``sequence_logp``'s."""
-    logps: list[float] = []
+    return response_values_slices(model, adapter, pairs, lambda rows, response: sequence_logp(
+        model, rows, response, going_on), group_size, in_scope)  # fmt: skip
+
+
+@torch.no_grad()
+def response_values_slices(
+    model: Llama,
+    adapter: Adapter | None,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group_size: int = 4,
+    in_scope: bool = True,
+) -> Generator[None, None, list[float]]:
+    """``value(hidden rows, response ids)`` of each (prompt ids, response ids) under ``adapter`` (None: the base
+    model), no gradient: ``group_size`` pairs per forward, in slices of one layer."""
+    values: list[float] = []
     for start in range(0, len(pairs), group_size):
         group = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device))
                  for p, r in pairs[start : start + group_size]]  # fmt: skip
         hidden = yield from responses_hidden_slices(model, adapter, group, in_scope)
         for rows, (_, response) in zip(hidden, group, strict=True):
-            logps.append(sequence_logp(model, rows, response, going_on).item())
-    return logps
+            values.append(value(rows, response).item())
+    return values
 
 
 def recompute_loss(

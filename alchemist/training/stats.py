@@ -43,6 +43,7 @@ class TrainingStats:
     quarantined: int = 0  # entries held by the poisoning guard (alchemist.training.quarantine)
     unpromoted: int = 0  # versions the evaluation gate kept from serving
     evaluation_s: float = 0.0  # time spent in the gate's slices (alchemist.training.evaluation)
+    learned_checks: int = 0  # passes asking whether a batch's corrections are learned (before its steps end)
 
     @property
     def staleness_sum(self) -> int:

@@ -4,6 +4,7 @@ rollback. (tests/server/test_online.py runs the same loop end to end on the real
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -17,13 +18,17 @@ from alchemist.feedback.log import FeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_queue import EMPTY
 from alchemist.training.online import OnlineTrainer, as_trained
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.slices import run_to_end as run_to_end_of
+from alchemist.training.trainer import Sample
 from tests.engine.helpers import random_prompts, run_to_end
 
 
 def serve_and_log(
-    engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0, key_name: str | None = None
+    engine: LLMEngine, log: FeedbackLog, num: int, seed: int = 0, key_name: str | None = None, repeat: bool = False
 ) -> list[int]:
-    """Serves ``num`` prompts (recorded) and logs a correction of each; returns the entries' seqs."""
+    """Serves ``num`` prompts (recorded) and logs a correction of each (six tokens; with ``repeat`` one token six
+    times: what a tiny random model learns in a few steps); returns the entries' seqs."""
     prompts = random_prompts([20 + 3 * i for i in range(num)], seed=seed)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{seed}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -36,7 +41,7 @@ def serve_and_log(
             kind="sft",
             correction="x",
             prompt_token_ids=prompt,
-            response_token_ids=[(7 * i + j) % 256 for j in range(6)],
+            response_token_ids=[(7 * i + (0 if repeat else j)) % 256 for j in range(6)],
             output_token_ids=out.output_token_ids,
             adapter_version=engine.adapter_version,
             recorded=True,
@@ -64,7 +69,7 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
     # No known-fact anchors (their text means nothing to a tiny model: tests/training/test_anchors.py has them) and
     # no rehearsal (test_rehearsal_... has it): each batch trains its own feedback and nothing else.
-    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "gate": False,
+    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "target_token_p": 0.0, "gate": False,
               "protect_energy": 0.0, "anchor_known_facts": 0, "rehearse_corrections": 0,
               "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
     config = OnlineConfig(**fields)
@@ -114,6 +119,40 @@ def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_pa
     assert 1 < metrics["epochs"] < 40  # it stopped at the first step whose losses were all under the target
     assert metrics["losses"]["sft"] < 5.0
     assert trainer.version == metrics["epochs"]  # a step per epoch run
+
+
+def test_steps_go_on_past_the_target_loss_until_each_correction_is_learned(engine, tmp_path):
+    """With ``target_token_p``, reaching ``target_loss`` does not end the steps: each step after asks whether every
+    token of each correction is that likely yet (a tiny random model never makes one likelier than 0.02: all
+    epochs run); without it, the same batch ends at the target loss."""
+    epochs, checks = {}, {}
+    for target in (0.0, 0.5):
+        trainer, log, checkpoints = online(engine, tmp_path / str(target), epochs=8, batch_size=3, target_loss=5.0,
+                                           target_token_p=target)  # fmt: skip
+        serve_and_log(engine, log, 3)
+        drain(trainer)
+        epochs[target], checks[target] = checkpoints.latest().metrics["epochs"], trainer.stats.learned_checks
+        engine.set_adapter(None, 0)  # the next trainer starts from the base model
+    assert epochs[0.0] < 8 and checks[0.0] == 0
+    assert epochs[0.5] == 8 and checks[0.5] == 8 - epochs[0.0]  # from the step at the target loss, but the last
+
+
+def test_a_correction_is_learned_once_every_token_is_that_likely(engine, tmp_path):
+    """``OnlineTrainer._learned_slices`` against its simple twin: each token's probability recomputed as a
+    one-token response to the text before it, under the trained adapter; the check holds for p just under the
+    least of them and not just over it. (No cut: the twin's longer prompts would take rows out of its scope.)"""
+    trainer, log, _ = online(engine, tmp_path, epochs=3, batch_size=3, route_corrections=False)
+    serve_and_log(engine, log, 3)
+    drain(trainer)  # an adapter that moved
+    samples = [Sample(e.prompt_token_ids, e.response_token_ids) for e in log.read()]
+    least = min(
+        math.exp(-recompute_loss(engine.model, trainer.adapter, torch.tensor(s.prompt_ids + s.response_ids[:j]),
+                                 torch.tensor(s.response_ids[j : j + 1])).item())
+        for s in samples for j in range(len(s.response_ids))
+    )  # fmt: skip
+    for p, learned in ((least * 0.999, True), (least * 1.001, False)):
+        trainer.config.target_token_p = p
+        assert run_to_end_of(trainer._learned_slices(samples)) is learned
 
 
 @pytest.mark.parametrize("yield_after_s", [1e-3, 0.0])
