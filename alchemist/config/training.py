@@ -24,7 +24,7 @@ from alchemist.config.fields import (
 class TrainerConfig:
     """The trainer's step: optimizer, record reuse, and how many samples go through the model together."""
 
-    # Learning a correction from one or two: a burst of corrections trains as one batch, for up to 8 steps at 2e-3
+    # Learning a correction from one or two: a burst of corrections trains as one batch, for up to 16 steps at 2e-3
     # (OnlineConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
     # each (docs/benchmarks.md, "Learning a correction with the defaults").
     lr: Annotated[float, flag("train-lr", "AdamW learning rate")] = 2e-3
@@ -76,7 +76,9 @@ class OnlineConfig:
                                      "waits (1: no cap)")] = 0.5  # fmt: skip
     max_wait_s: Annotated[float, flag("train-max-wait-s", "train a partial batch once its oldest feedback waited "
                                       "this long")] = 10.0  # fmt: skip
-    epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 8
+    # 8 steps left one or two of ten new facts unlearned after two corrections (docs/benchmarks.md, "Learning a
+    # correction with the defaults"); a batch whose corrections are learned ends sooner (target_token_p).
+    epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 16
     target_loss: Annotated[float, flag("train-target-loss", "a mini-batch's steps end once every correction's loss "
                                        "(mean per token) is under this (0: always --train-epochs)")] = 0.2  # fmt: skip
     # ... and each correction is learned: every one of its tokens likelier than this given the ones before, under the
@@ -85,7 +87,7 @@ class OnlineConfig:
     target_token_p: Annotated[float, flag("train-target-token-p", "... and once each correction's every token has "
                                           "at least this probability (0: the mean loss alone)")] = 0.5  # fmt: skip
     # ... unless corrections queue up behind it: then it ends at the step where one has waited yield_after_s, so that
-    # under a load of corrections every batch still trains and the backlog does not grow by 8 steps a batch
+    # under a load of corrections every batch still trains and the backlog does not grow by 16 steps a batch
     # (docs/benchmarks.md, "Online loop"; what such a batch did not learn, rehearsal revisits).
     yield_after_s: Annotated[float, flag("train-yield-after-s", "a mini-batch's steps after the first end once "
                                          "a correction queued behind it waited so long (0: never)")] = 60.0  # fmt: skip
