@@ -27,13 +27,13 @@ def test_a_changed_row_changes_the_page_and_check_fails(tmp_path, capsys):
     shutil.copytree(DOCS / "results", results)
     page = tmp_path / "benchmarks.md"
     page.write_text((DOCS / "benchmarks.md").read_text())
-    rows = results / "online-zen4-2026-12-03-defaults" / "online.jsonl"
-    rows.write_text(rows.read_text().replace('"tpot_p99_ms": 101.6', '"tpot_p99_ms": 99.9'))
+    rows = results / "online-zen4-2026-12-04-token-target" / "online.jsonl"
+    rows.write_text(rows.read_text().replace('"tpot_p99_ms": 79.2', '"tpot_p99_ms": 99.9'))
 
     assert results_page.main([str(page), "--results", str(results), "--check"]) == 1
-    assert "| replay | 35.8 | 99.9 |" in capsys.readouterr().out
+    assert "| replay | 34.7 | 99.9 |" in capsys.readouterr().out
     assert results_page.main([str(page), "--results", str(results)]) == 0
-    assert "| replay | 35.8 | 99.9 |" in page.read_text()
+    assert "| replay | 34.7 | 99.9 |" in page.read_text()
     assert results_page.main([str(page), "--results", str(results), "--check"]) == 0
 
 
