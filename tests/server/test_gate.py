@@ -1,7 +1,8 @@
 """Must show (issue 26): twenty corrections from one key teaching a falsehood about a fact the model knows ("The
 capital of France is Berlin.") do not reach serving. A real server process and the real model, the official openai
-client; the dtype (bf16) and the training flags are the defaults (lr 2e-3, batches of 16, up to 8 steps until
-every correction's loss is under 0.2, protected directions), with which a correction is learned from one or two;
+client; the dtype (bf16) and the training flags are the defaults (lr 2e-3, batches of 16, up to 16 steps until
+every correction's loss is under 0.2 and each of its tokens likelier than 0.5, protected directions), with which a
+correction is learned from one or two;
 only the context and the batch wait are set for speed. The evaluation gate keeps every version that trained them
 from serving, with the reason in GET /v1/adapters; the entries are held in quarantine with that reason; the served
 answer is still Paris."""
