@@ -308,10 +308,11 @@ class OnlineTrainer:
             if not step.updated:
                 return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
             steps.append((samples, step))
-            last = epoch + 1 == self.config.epochs
-            if not last and self._reached_target(samples, step.passes) and (yield from self._learned_slices(samples)):
+            if epoch + 1 == self.config.epochs:
                 break
-            if epoch + 1 < self.config.epochs and self._yields(batch):
+            if self._reached_target(samples, step.passes) and (yield from self._learned_slices(samples)):
+                break
+            if self._yields(batch):
                 yielded = True
                 break
         metrics = {**self._batch_metrics(feedback, rehearsed, anchors, steps), "yielded": yielded}

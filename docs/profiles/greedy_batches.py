@@ -1,16 +1,20 @@
 """Profile (not a benchmark): does a greedy answer depend on the batches it is decoded in?
 
-    python docs/profiles/greedy_batches.py [questions] [tokens]   # default 30 ShareGPT first turns, 32 tokens
+    python docs/profiles/greedy_batches.py [questions] [tokens] [--emulate-precision-casts]
+                                                       # default 30 ShareGPT first turns, 32 tokens
 
 The same ``questions`` greedy answers (``tokens`` long, prefix caching off) from one engine, asked four ways: one
 at a time, one at a time again, all added together, and in two waves (the first third, then the rest while the
 first decodes: steps that mix prefills with decodes). For the default engine (bf16 where the CPU runs it fast, the
 compiled decode step) and the eager one (``compile_decode=False``): how many answers equal the one-at-a-time ones,
 and how many of each engine's one-at-a-time answers equal fp32's (eager, the exactness reference).
+``--emulate-precision-casts``: inductor rounds its low-precision intermediates as eager does (its config option).
 """
 
 import itertools
 import sys
+
+import torch._inductor.config
 
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.config import EngineConfig
@@ -18,8 +22,10 @@ from alchemist.engine.engine import LLMEngine
 from alchemist.engine.sequence import SamplingParams
 from alchemist.model.loader import load_model
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 32
+args = [a for a in sys.argv[1:] if a != "--emulate-precision-casts"]
+N = int(args[0]) if args else 30
+TOKENS = int(args[1]) if len(args) > 1 else 32
+torch._inductor.config.emulate_precision_casts = "--emulate-precision-casts" in sys.argv
 ids = itertools.count()
 
 
