@@ -6,7 +6,9 @@
 docs/benchmarks.md marks each generated block with ``<!-- results: NAME -->`` ... ``<!-- /results -->``; NAME is a
 folder of docs/results/ holding the rows of one invocation or more (``*.jsonl``, as ``--json`` printed them) and a
 ``meta.toml`` that says which benchmark made them, on what machine, at which commit, with which commands, and which
-file is which run. Only the marked blocks change; the explanations around them are written by hand.
+file is which run. Only the marked blocks change; the explanations around them are written by hand, and every table
+on the page is a marked block (a benchmark without committed rows has a section that names its command and links to
+its last run by hand in docs/history.md).
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ def test_every_results_folder_is_on_the_page():
     assert names == {p.parent.name for p in (DOCS / "results").glob("*/meta.toml")}
 
 
+def test_every_table_on_the_page_is_generated():
+    """A table written by hand belongs in history.md; the page's own tables are made from rows."""
+    page = (DOCS / "benchmarks.md").read_text()
+    outside = results_page.BLOCK.sub("", page)
+    by_hand = [line for line in outside.splitlines() if line.lstrip().startswith("|")]
+    assert not by_hand, f"tables outside a generated block: {by_hand[:3]}"
+
+
 def test_a_changed_row_changes_the_page_and_check_fails(tmp_path, capsys):
     results = tmp_path / "results"
     shutil.copytree(DOCS / "results", results)
