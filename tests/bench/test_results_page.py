@@ -1,6 +1,7 @@
 """docs/benchmarks.md's generated tables are what `python -m alchemist.bench.results_page` makes from the committed
 rows (no model, no timing)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -58,3 +59,12 @@ def test_the_backlog_table_thins_a_series_but_keeps_its_peak_and_each_phase_end(
     # every 20 s from the first, the peak (marked), the load's last and the drain's last; off and errors left out
     assert kept == [("0.0", "load", "0"), ("15.0", "load", "**9**"), ("20.0", "load", "3"), ("25.0", "load", "5"),
                     ("40.0", "drain", "0")]
+
+
+def test_the_memory_block_prints_each_part_as_the_benchmark_prints_it(tmp_path):
+    rows = [{"part": "memory", "shape": "1024x128", "recompute_mib": 1577.0, "replay_memory_pct": -81.3},
+            {"part": "goals", "goal": "tokens per step", "value": 6.6, "met": True}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    block = results_page.memory_block({"rows": "m.jsonl"}, tmp_path)
+    assert "memory:\n\n| shape | recompute_mib | replay_memory_pct |\n" in block
+    assert "| 1024x128 | 1,577 | -81.3 |" in block and "| tokens per step | 6.6 | True |" in block
