@@ -6,7 +6,9 @@
 docs/benchmarks.md marks each generated block with ``<!-- results: NAME -->`` ... ``<!-- /results -->``; NAME is a
 folder of docs/results/ holding the rows of one invocation or more (``*.jsonl``, as ``--json`` printed them) and a
 ``meta.toml`` that says which benchmark made them, on what machine, at which commit, with which commands, and which
-file is which run. Only the marked blocks change; the explanations around them are written by hand.
+file is which run. Only the marked blocks change; the explanations around them are written by hand, and every table
+on the page is a marked block (a benchmark without committed rows has a section that names its command and links to
+its last run by hand in docs/history.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from alchemist.bench.report import _fmt
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
@@ -212,8 +216,18 @@ def soak_block(meta: dict, folder: Path) -> str:
     return table(header, body) + "\n" + table(gate_header, gates)
 
 
+def memory_block(meta: dict, folder: Path) -> str:
+    """`bench memory`'s parts as it prints them: per part a table whose columns are its rows' keys, each value as
+    the benchmark's own table formats it."""
+    parts: dict[str, list[dict]] = {}
+    for row in read_rows(folder / meta["rows"]):
+        parts.setdefault(row["part"], []).append({k: v for k, v in row.items() if k != "part"})
+    return "\n".join(f"{name}:\n\n" + table(list(rows[0]), [[_fmt(v) for v in r.values()] for r in rows])
+                     for name, rows in parts.items())
+
+
 RENDERERS: dict[str, Callable[[dict, Path], str]] = {
-    "serve": serve_block, "online": online_block, "learn": learn_block, "soak": soak_block,
+    "serve": serve_block, "online": online_block, "learn": learn_block, "soak": soak_block, "memory": memory_block,
 }
 
 

@@ -1,6 +1,7 @@
 """docs/benchmarks.md's generated tables are what `python -m alchemist.bench.results_page` makes from the committed
 rows (no model, no timing)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,14 @@ def test_committed_page_matches_its_rows():
 def test_every_results_folder_is_on_the_page():
     names = {m.group("name") for m in results_page.BLOCK.finditer((DOCS / "benchmarks.md").read_text())}
     assert names == {p.parent.name for p in (DOCS / "results").glob("*/meta.toml")}
+
+
+def test_every_table_on_the_page_is_generated():
+    """A table written by hand belongs in history.md; the page's own tables are made from rows."""
+    page = (DOCS / "benchmarks.md").read_text()
+    outside = results_page.BLOCK.sub("", page)
+    by_hand = [line for line in outside.splitlines() if line.lstrip().startswith("|")]
+    assert not by_hand, f"tables outside a generated block: {by_hand[:3]}"
 
 
 def test_a_changed_row_changes_the_page_and_check_fails(tmp_path, capsys):
@@ -50,3 +59,12 @@ def test_the_backlog_table_thins_a_series_but_keeps_its_peak_and_each_phase_end(
     # every 20 s from the first, the peak (marked), the load's last and the drain's last; off and errors left out
     assert kept == [("0.0", "load", "0"), ("15.0", "load", "**9**"), ("20.0", "load", "3"), ("25.0", "load", "5"),
                     ("40.0", "drain", "0")]
+
+
+def test_the_memory_block_prints_each_part_as_the_benchmark_prints_it(tmp_path):
+    rows = [{"part": "memory", "shape": "1024x128", "recompute_mib": 1577.0, "replay_memory_pct": -81.3},
+            {"part": "goals", "goal": "tokens per step", "value": 6.6, "met": True}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    block = results_page.memory_block({"rows": "m.jsonl"}, tmp_path)
+    assert "memory:\n\n| shape | recompute_mib | replay_memory_pct |\n" in block
+    assert "| 1024x128 | 1,577 | -81.3 |" in block and "| tokens per step | 6.6 | True |" in block
