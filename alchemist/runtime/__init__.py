@@ -1,7 +1,8 @@
 """The runtime: the system that serves and trains, assembled from the config tree, with no HTTP front.
 
     system = build(config)                   # model, store, engine, feedback log, checkpoints, trainer, stepping loop
-    system.async_engine.run_steps()          # step in this thread (or start() it on an event loop: its own thread)
+    system.async_engine.start()              # on an asyncio loop: the stepping thread starts (tests/runtime)
+    stream = system.async_engine.generate(request_id, prompt_ids, params)     # feedback: system.feedback_log
     system.close()
 
 ``alchemist.server`` puts the HTTP front on a built ``System`` (``create_app``); a replica that serves and trains

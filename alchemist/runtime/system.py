@@ -2,7 +2,8 @@
 
     system = build(config)
     system.observe(on_outputs=metrics.observe)   # observers before the loop starts (server/app.py's metrics)
-    system.async_engine.run_steps()              # the stepping loop: engine steps and training's slices
+    system.async_engine.start()                  # the stepping loop (engine steps, training's slices), on an
+                                                 # event loop; or run_steps() in this thread (run_server)
     system.close()
 
 The parts are plain attributes: whoever puts a front on the system (the HTTP app) reads them; nothing here knows
