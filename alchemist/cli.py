@@ -39,10 +39,10 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from alchemist.runtime import build
     from alchemist.server.app import run_server
 
-    c = args.serve
-    run_server(c.engine, c.server, c.record, c.online)
+    run_server(build(args.serve, own_step_thread=False))  # the engine steps in the main thread: run_server's note
     return 0
 
 

@@ -8,10 +8,10 @@
     report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
 
 The parts are the ones `alchemist serve` builds: the model in the serve dtype, an ``LLMEngine`` with the default
-record policy (a request that asks is recorded), the SQLite ``FeedbackLog``, ``AdapterCheckpoints`` and the
-``OnlineTrainer`` with the given ``OnlineConfig``. Two differences, both for time only: decoding is eager (no
-compile warm-up), and a batch trains as soon as the queue has one (``max_wait_s`` 0: nobody else's feedback is
-coming, and the server would wait for it in vain).
+record policy (a request that asks is recorded), and what ``alchemist.runtime.build_around`` makes around it: the
+SQLite ``FeedbackLog``, ``AdapterCheckpoints`` and the ``OnlineTrainer`` with the given ``OnlineConfig``. Two
+differences, both for time only: decoding is eager (no compile warm-up), and a batch trains as soon as the queue has
+one (``max_wait_s`` 0: nobody else's feedback is coming, and the server would wait for it in vain).
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alchemist.activations.store import ActivationStore
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config import Config, EngineConfig, OnlineConfig, RecordConfig, ServerConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.feedback.log import FeedbackLog
 from alchemist.model.loader import LoadedModel, load_model
+from alchemist.runtime import build_around
 from alchemist.training.anchors import Anchor
-from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer
 
 
 @dataclass(frozen=True)
@@ -62,16 +60,20 @@ class LearnRig:
     def __init__(self, model: str | None, dtype: str, device: str, config: OnlineConfig, workdir: Path) -> None:
         self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
-        self.config = dataclasses.replace(config, max_wait_s=0.0)
         records = RecordConfig()
         self.store = ActivationStore.from_config(records)  # the engine records into it, the trainer replays from it
         self.engine = LLMEngine(self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), records,
                                 self.store)  # fmt: skip
         workdir.mkdir(parents=True, exist_ok=True)
-        self.log = FeedbackLog(workdir / "feedback.sqlite")
-        self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.keep_versions)
-        self.trainer = OnlineTrainer(self.loaded.model, self.tokenizer, self.engine, self.store, self.log,
-                                     self.checkpoints, self.config)  # fmt: skip
+        # The rest as the server builds it (alchemist.runtime), its state in workdir; the rig steps by hand, so the
+        # system's stepping loop is never started.
+        online = dataclasses.replace(config, max_wait_s=0.0)
+        system = build_around(self.engine, Config(online=online, server=ServerConfig(data_dir=str(workdir))),
+                              [self.loaded.source.stem], self.store)  # fmt: skip
+        if system.trainer is None:
+            raise ValueError("the rig trains: OnlineConfig.enabled must be true")
+        self.system, self.config = system, online
+        self.log, self.checkpoints, self.trainer = system.feedback_log, system.checkpoints, system.trainer
         self._ids = itertools.count()
 
     def prompt(self, question: str) -> list[int]:

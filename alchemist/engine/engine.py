@@ -80,8 +80,9 @@ class LLMEngine:
     ) -> None:
         """An engine over an already loaded model (``config.model``, ``dtype`` and ``device`` are then unused).
 
-        With a ``record_config`` whose policy is not "none", prompts are recorded into ``store``: the app builds it
-        and hands it to the trainer too. Without one the engine makes its own (offline use, tests).
+        Prompts are recorded per ``record_config`` (None: ``RecordConfig()``'s defaults, the same as `alchemist
+        serve`'s; policy "none" records nothing) into ``store``: the runtime builds it and hands it to the trainer
+        too. Without one the engine makes its own (offline use, tests).
         """
         self.config = (config or EngineConfig()).resolve(model.config.max_position_embeddings)
         c = self.config
@@ -90,7 +91,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(c.max_num_seqs, c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        rc = record_config or RecordConfig(policy="none")
+        rc = record_config or RecordConfig()  # one default per setting: the config tree's
         self.store = store if store is not None else ActivationStore.from_config(rc)
         self.recorder = None
         if rc.policy != "none":

@@ -5,7 +5,7 @@
 
 The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
 trainer's (``OnlineTrainer.rollback``): asked for here, in the server's thread pool, and done by the stepping thread
-once the batch in training is checkpointed (all torch work runs there: the Note in ``alchemist.server.async_engine``).
+once the batch in training is checkpointed (all torch work runs there: the Note in ``alchemist.runtime.async_engine``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The FastAPI app: routes, the body-size guard, and the one table that turns exceptions into OpenAI errors.
 
-    run_server(EngineConfig(), ServerConfig(port=8000))    # what `alchemist serve` does: engine in the main thread
-    app = create_app(EngineConfig(), ServerConfig())       # or an app that steps in a thread of its own (tests)
+    run_server(build(config, own_step_thread=False))   # what `alchemist serve` does: engine in the main thread
+    app = create_app(build(config))                      # or an app that steps in a thread of its own (tests)
+
+The system (model, engine, store, feedback log, trainer, stepping loop) is built by ``alchemist.runtime``; this
+module only puts the HTTP front on it.
 
 Every error, whoever raises it (pydantic, the service, the engine, the body guard), leaves through
 ``error_response`` as ``{"error": {"message", "type", "param", "code"}}`` with the status of ERROR_MAP.
@@ -9,14 +12,12 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -24,14 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from alchemist.activations.record import record_bytes_per_token
-from alchemist.activations.store import ActivationStore
-from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
+from alchemist.config import ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
-from alchemist.feedback.log import FeedbackLog
 from alchemist.host_memory import allocator_in_use
-from alchemist.model.loader import load_model
+from alchemist.runtime import System
+from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.server.adapters import AdapterService
-from alchemist.server.async_engine import AsyncEngine
 from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
@@ -54,10 +53,7 @@ from alchemist.server.quarantine import router as quarantine_router
 from alchemist.server.routes import router
 from alchemist.server.series import SeriesRecorder
 from alchemist.server.service import OpenAIServing
-from alchemist.server.time_share import TimeShare
 from alchemist.server.web import mount_web
-from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer, as_trained
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +173,7 @@ def build_app(
     app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, openapi_url=None)  # ours take keys
     app.state.serving = serving
     app.state.metrics = metrics
-    app.state.keys = KeyStore()  # none: open (app_for_engine sets the server's)
+    app.state.keys = KeyStore()  # none: open (create_app sets the server's)
     app.state.limits = serving.limits
     app.state.server_config = ServerConfig()
     app.state.series = series
@@ -196,64 +192,36 @@ def build_app(
     return app
 
 
-def served_model_names(server_config: ServerConfig, source: Path, model_arg: str | None) -> list[str]:
-    """The name responses carry first (--served-model-name, else the model's stem), then the path as given."""
-    names = [server_config.served_model_name or source.stem]
-    for alias in (model_arg, str(source)):
-        if alias and alias not in names:
-            names.append(alias)
-    return names
-
-
-def app_for_engine(
-    engine: LLMEngine,
-    names: list[str],
-    server_config: ServerConfig,
-    own_step_thread: bool = True,
-    online_config: OnlineConfig | None = None,
-    store: ActivationStore | None = None,
-) -> FastAPI:
-    """The app around ``engine``, with the online trainer of ``online_config`` (None: the defaults) stepping
-    beside it: it replays from ``store`` (the one the engine records into: by default ``engine.store``) and
-    publishes to the engine, which it knows only by ``alchemist.training.seams``' Protocols. With
-    ``own_step_thread`` False the caller runs ``app.state.async_engine.run_steps()`` (see ``run_server``)."""
-    online_config = online_config or OnlineConfig()
-    store = store if store is not None else engine.store
+def create_app(system: System) -> FastAPI:
+    """The HTTP front of a built ``System`` (``alchemist.runtime.build``): the OpenAI service, the feedback and
+    adapter routes, keys, limits, metrics and the web pages. Its lifespan starts the stepping loop (in a thread of
+    its own, unless the system was built for the caller to run ``run_steps``: see ``run_server``)."""
+    engine, server_config, trainer = system.engine, system.config.server, system.trainer
     metrics = ServerMetrics(engine.stats)
-    feedback_log = FeedbackLog(server_config.feedback_db_path)
-    feedback_log.add_listener(metrics.observe_feedback)
-    metrics.watch_feedback(feedback_log)
-    trainer = None
-    checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
-    if online_config.enabled:
-        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
-                                online_config)  # resumes from its checkpoint  # fmt: skip
-        metrics.watch_training(trainer)
-    elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
-        adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
-        undone = serving.metrics.get("undone", [])
-        engine.set_adapter(as_trained(adapter, online_config, feedback_log, serving.version, undone), serving.version)
-    time_share = None
+    # The metrics observe the runtime's parts through callbacks attached here, after the build: they are made
+    # around the built engine's stats, and Prometheus is the HTTP front's concern, not the runtime's.
+    system.observe(metrics.observe, metrics.observe_step, metrics.observe_slice, metrics.observe_feedback)
+    metrics.watch_feedback(system.feedback_log)
     if trainer is not None:
-        share, quantum_s = online_config.train_share, online_config.train_quantum_s
-        time_share = TimeShare(trainer, engine.has_arrivals, share, quantum_s, metrics.observe_slice)
-    async_engine = AsyncEngine(engine, metrics.observe, own_step_thread, time_share, metrics.observe_step)
-    feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
+        metrics.watch_training(trainer)
+    async_engine = system.async_engine
     registry = CompletionsRegistry(server_config.max_completions_kept, server_config.completion_ttl_s)
     assert engine.config.max_model_len is not None
     anchors = trainer.anchors if trainer is not None else None
-    serving = OpenAIServing(async_engine, engine.tokenizer, names, engine.config.max_model_len, registry, anchors)
-    series = SeriesRecorder(metrics, feedback_log, lambda: engine.adapter_version)
+    serving = OpenAIServing(async_engine, engine.tokenizer, system.names, engine.config.max_model_len, registry,
+                            anchors)  # fmt: skip
+    series = SeriesRecorder(metrics, system.feedback_log, lambda: engine.adapter_version)
     app = build_app(serving, async_engine, metrics, server_config.max_body_bytes, series)
     app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
     serving.limits = app.state.limits = _key_limits(server_config, engine)
     app.state.server_config = server_config
+    app.state.system = system
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
-    app.state.feedback_log = feedback_log
-    app.state.feedback = FeedbackService(feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
+    app.state.feedback_log = system.feedback_log
+    app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
     app.state.trainer = trainer
-    app.state.adapters = AdapterService(engine, trainer, checkpoints, async_engine.wake)
+    app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake)
     return app
 
 
@@ -269,26 +237,6 @@ def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:
     return KeyLimits(defaults, per_token)
 
 
-def create_app(
-    engine_config: EngineConfig,
-    server_config: ServerConfig,
-    own_step_thread: bool = True,
-    record_config: RecordConfig | None = None,
-    online_config: OnlineConfig | None = None,
-) -> FastAPI:
-    """Loads the model of ``engine_config`` and builds the app around a fresh engine (recording per
-    ``record_config``: by default, prompts of requests that ask, ``{"alchemist": {"record": true}}``) and the
-    online trainer of ``online_config``."""
-    loaded = load_model(engine_config.model, dtype=engine_config.dtype, device=engine_config.device)
-    record_config = record_config or RecordConfig()
-    if record_config.disk_dir is None:  # the disk tier's files live with the server's other state
-        record_config = dataclasses.replace(record_config, disk_dir=str(Path(server_config.data_dir) / "activations"))
-    store = ActivationStore.from_config(record_config)  # the engine records into it, the trainer replays from it
-    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, record_config, store)
-    names = served_model_names(server_config, loaded.source, engine_config.model)
-    return app_for_engine(engine, names, server_config, own_step_thread, online_config, store)
-
-
 def app_urls(server_config: ServerConfig) -> str:
     """The start-up line: where people open the app (an any-address bind is opened on this machine)."""
     host = "127.0.0.1" if server_config.host in ("", "0.0.0.0", "::") else server_config.host
@@ -296,21 +244,19 @@ def app_urls(server_config: ServerConfig) -> str:
     return f"alchemist: chat at {base}/  dashboard at {base}/dashboard  OpenAI API at {base}/v1"
 
 
-def run_server(
-    engine_config: EngineConfig,
-    server_config: ServerConfig,
-    record_config: RecordConfig | None = None,
-    online_config: OnlineConfig | None = None,
-) -> None:
-    """Serve until SIGINT/SIGTERM: the engine steps in this (main) thread, uvicorn runs in a second one.
+def run_server(system: System) -> None:
+    """Serve ``system`` (built with ``own_step_thread`` False) until SIGINT/SIGTERM: the engine steps in this (main)
+    thread, uvicorn runs in a second one.
 
-    Why not the other way round: see the Note in ``alchemist.server.async_engine`` (torch ops from a thread other
+    Why not the other way round: see the Note in ``alchemist.runtime.async_engine`` (torch ops from a thread other
     than the one that loaded the model ran at one-thread speed).
     """
     import uvicorn
 
     assert threading.current_thread() is threading.main_thread(), "run_server steps the engine in the main thread"
-    app = create_app(engine_config, server_config, False, record_config, online_config)
+    assert not system.async_engine.own_step_thread, "run_server steps the engine itself: build(own_step_thread=False)"
+    server_config = system.config.server
+    app = create_app(system)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, workers=1, log_level="info")
     server = uvicorn.Server(config)  # outside the main thread it installs no signal handlers: ours do
 
@@ -327,7 +273,7 @@ def run_server(
         signal.signal(sig, stop)
     signal.signal(signal.SIGHUP, lambda signum, frame: app.state.keys.reload())
     _say_who_may_connect(server_config)
-    async_engine: AsyncEngine = app.state.async_engine
+    async_engine = system.async_engine
     print(app_urls(server_config), flush=True)
     print(f"alchemist: {async_engine.engine.runner.describe_decode()}", flush=True)
     print(f"alchemist: memory allocator: {allocator_in_use()}", flush=True)
@@ -338,7 +284,7 @@ def run_server(
     finally:
         server.should_exit = True
         http.join()
-        app.state.feedback_log.close()  # only now: the step loop (the trainer) may read the log until it ends
+        system.close()  # only now: the step loop (the trainer) may read the feedback log until it ends
 
 
 def _say_who_may_connect(config: ServerConfig) -> None:

@@ -18,8 +18,8 @@ from pydantic import BaseModel
 
 from alchemist.engine import RequestOutput, SamplingParams, TokenLogprobs
 from alchemist.model.tokenizer import check_text
+from alchemist.runtime.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from alchemist.server import protocol as p
-from alchemist.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from alchemist.server.auth import ANONYMOUS, Caller
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ModelNotFoundError

@@ -1,7 +1,7 @@
 """Sliced work: training's torch work is written once, as generators that serving may interrupt.
 
 The convention: an operation that the online trainer runs between engine steps is one generator, named
-``<operation>_slices``, that yields wherever serving may take its turn (alchemist.server.async_engine) and returns
+``<operation>_slices``, that yields wherever serving may take its turn (alchemist.runtime.async_engine) and returns
 its result. There is no unsliced twin. A caller that pauses writes ``result = yield from op_slices(...)``; one that
 does not (a test, a benchmark, a rollback between batches) writes ``result = run_to_end(op_slices(...))``. The
 suffix says it at every call: calling ``op_slices(...)`` alone runs nothing.

@@ -2,7 +2,7 @@
 
     python docs/profiles/online_slices.py [replay|recompute] [group size] [group max tokens]   # replay 4 2048
 
-A slice is what serving waits for when a step is due (alchemist.server.async_engine): the longest ones bound how
+A slice is what serving waits for when a step is due (alchemist.runtime.async_engine): the longest ones bound how
 much a training turn can stretch a decode step. In process, as `alchemist serve --dtype auto` with `bench
 online`'s defaults runs it (the model in bf16 on a CPU that runs bf16 fast, else fp32; bf16 records; the training
 defaults: the evaluation gate, protected directions, anchors, rehearsal): the workload's 48 prompts are served

@@ -7,10 +7,11 @@ import json
 
 from fastapi.testclient import TestClient
 
-from alchemist.config import EngineConfig, OnlineConfig, ServerConfig
+from alchemist.config import Config, EngineConfig, OnlineConfig, ServerConfig
 from alchemist.engine import LLMEngine
 from alchemist.model.lora import LoraAdapter
-from alchemist.server.app import app_for_engine
+from alchemist.runtime import build_around
+from alchemist.server.app import create_app
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.slices import run_to_end
 
@@ -18,7 +19,7 @@ from alchemist.training.slices import run_to_end
 def test_registry_entry_carries_the_served_adapter_version(smollm2, tmp_path):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
     engine.set_adapter(LoraAdapter(smollm2.model.config, seed=0), 7)
-    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)))
+    app = create_app(build_around(engine, Config(server=ServerConfig(data_dir=str(tmp_path))), ["m"]))
     with TestClient(app) as http:
         body = http.post(
             "/v1/chat/completions",
@@ -35,7 +36,8 @@ def test_without_training_the_last_checkpointed_version_serves(smollm2, tmp_path
         adapter.version = version
         run_to_end(checkpoints.save_slices(version, adapter, {"state": {}, "param_groups": []}, version * 10, {}))
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
-    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)), online_config=OnlineConfig(enabled=False))
+    config = Config(online=OnlineConfig(enabled=False), server=ServerConfig(data_dir=str(tmp_path)))
+    app = create_app(build_around(engine, config, ["m"]))
     assert engine.adapter_version == 5
     with TestClient(app) as http:
         listing = http.get("/v1/adapters").json()
@@ -49,7 +51,8 @@ def test_responses_name_the_adapter_version_that_wrote_them(smollm2, tmp_path):
     """system_fingerprint is "alchemist-v<N>" in chat and text completions, streamed (every chunk) or not."""
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
     engine.set_adapter(LoraAdapter(smollm2.model.config, seed=0), 3)
-    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)), online_config=OnlineConfig(enabled=False))
+    config = Config(online=OnlineConfig(enabled=False), server=ServerConfig(data_dir=str(tmp_path)))
+    app = create_app(build_around(engine, config, ["m"]))
     chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     text = {"model": "m", "prompt": "Hi", "max_tokens": 3}
     with TestClient(app) as http:

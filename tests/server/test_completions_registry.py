@@ -7,9 +7,10 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from alchemist.config import EngineConfig, ServerConfig
+from alchemist.config import Config, EngineConfig, ServerConfig
 from alchemist.engine import LLMEngine
-from alchemist.server.app import app_for_engine
+from alchemist.runtime import build_around
+from alchemist.server.app import create_app
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 
 
@@ -55,7 +56,7 @@ def test_bad_limits_are_refused():
 
 def test_a_served_response_is_reachable_by_its_id(smollm2, tmp_path):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=256))
-    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path)))
+    app = create_app(build_around(engine, Config(server=ServerConfig(data_dir=str(tmp_path))), ["m"]))
     messages = [{"role": "user", "content": "Hi"}]
     with TestClient(app) as http:
         body = http.post(

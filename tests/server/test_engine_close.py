@@ -10,7 +10,7 @@ import torch
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.model.loader import build_model
-from alchemist.server.async_engine import AsyncEngine
+from alchemist.runtime.async_engine import AsyncEngine
 from tests.engine.helpers import char_tokenizer, random_prompts, run_to_end
 
 

@@ -10,10 +10,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from alchemist.config import EngineConfig, ServerConfig
+from alchemist.config import Config, EngineConfig, ServerConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import decode_ids
-from alchemist.server.app import app_for_engine
+from alchemist.runtime import build_around
+from alchemist.server.app import create_app
 from tests.server.conftest import MODEL_NAME
 from tests.server.test_errors import assert_openai_error, assert_still_serving, post_raw
 
@@ -168,7 +169,8 @@ def test_serving_and_feedback_go_on_after_refusals(server):
 
 def test_expired_responses_are_404_but_a_logged_submission_still_answers(smollm2, tmp_path):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, EngineConfig(max_num_seqs=1, max_model_len=128))
-    app = app_for_engine(engine, ["m"], ServerConfig(data_dir=str(tmp_path), completion_ttl_s=1.0))
+    config = Config(server=ServerConfig(data_dir=str(tmp_path), completion_ttl_s=1.0))
+    app = create_app(build_around(engine, config, ["m"]))
     request = {"model": "m", "messages": CAPITAL, "max_tokens": 2, "temperature": 0}
     with TestClient(app) as http:
         served = http.post("/v1/chat/completions", json=request).json()

@@ -15,9 +15,9 @@ import torch
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.model.loader import build_model
-from alchemist.server import time_share
-from alchemist.server.async_engine import AsyncEngine
-from alchemist.server.time_share import TimeShare
+from alchemist.runtime import time_share
+from alchemist.runtime.async_engine import AsyncEngine
+from alchemist.runtime.time_share import TimeShare
 from tests.engine.helpers import char_tokenizer
 
 SLICE_S = 0.002

@@ -11,7 +11,7 @@ asyncio queues. A stream that is closed before its request finished (client disc
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
 loop calls them directly.
 
-Training beside serving: a ``TimeShare`` (``alchemist.server.time_share``, the policy) gets the stepping thread
+Training beside serving: a ``TimeShare`` (``alchemist.runtime.time_share``, the policy) gets the stepping thread
 between engine steps, for slices of the online trainer's work; this loop only tells it when a step ran and when
 serving is idle.
 
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from alchemist.engine import LLMEngine, RequestOutput, SamplingParams
-from alchemist.server.time_share import TimeShare
+from alchemist.runtime.time_share import TimeShare
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Training's share of the stepping thread: when background work (the online trainer) runs between engine steps.
 
-    share = TimeShare(trainer, engine.has_arrivals, share=0.2, quantum_s=0.0)
-    while serving:                              # the stepping thread (alchemist.server.async_engine)
+    share = TimeShare(trainer, engine.has_arrivals, online.train_share, online.train_quantum_s)   # runtime/build.py
+    while serving:                              # the stepping thread (alchemist.runtime.async_engine)
         if engine.has_unfinished():
             t0 = time.perf_counter(); engine.step()
             share.after_step(time.perf_counter() - t0)
@@ -47,8 +47,8 @@ class TimeShare:
         self,
         work: BackgroundWork,
         has_arrivals: Callable[[], bool],
-        share: float = 0.2,
-        quantum_s: float = 0.0,
+        share: float,  # no defaults here: OnlineConfig's train_share and train_quantum_s are the one place
+        quantum_s: float,
         on_slice: Callable[[float, bool], None] | None = None,
     ) -> None:
         """``has_arrivals``: whether a request was added since the last engine step began (the engine's);
