@@ -62,16 +62,16 @@ class LearnRig:
     def __init__(self, model: str | None, dtype: str, device: str, config: OnlineConfig, workdir: Path) -> None:
         self.loaded: LoadedModel = load_model(model, dtype=dtype, device=device)
         self.tokenizer = self.loaded.tokenizer
-        self.config = dataclasses.replace(config, max_wait_s=0.0)
+        self.config = dataclasses.replace(config, queue=dataclasses.replace(config.queue, max_wait_s=0.0))
         records = RecordConfig()
         self.store = ActivationStore.from_config(records)  # the engine records into it, the trainer replays from it
         self.engine = LLMEngine(self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), records,
                                 self.store)  # fmt: skip
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = FeedbackLog(workdir / "feedback.sqlite")
-        self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.keep_versions)
-        self.trainer = OnlineTrainer(self.loaded.model, self.tokenizer, self.engine, self.store, self.log,
-                                     self.checkpoints, self.config)  # fmt: skip
+        self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.adapter.keep_versions)
+        self.trainer = OnlineTrainer.from_config(self.loaded.model, self.tokenizer, self.engine, self.store,
+                                                 self.log, self.checkpoints, self.config)  # fmt: skip
         self._ids = itertools.count()
 
     def prompt(self, question: str) -> list[int]:

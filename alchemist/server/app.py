@@ -57,7 +57,8 @@ from alchemist.server.service import OpenAIServing
 from alchemist.server.time_share import TimeShare
 from alchemist.server.web import mount_web
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer, as_trained
+from alchemist.training.lineage import as_trained
+from alchemist.training.online import OnlineTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -224,18 +225,19 @@ def app_for_engine(
     feedback_log.add_listener(metrics.observe_feedback)
     metrics.watch_feedback(feedback_log)
     trainer = None
-    checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.keep_versions)
+    checkpoints = AdapterCheckpoints(Path(server_config.data_dir) / "adapters", online_config.adapter.keep_versions)
     if online_config.enabled:
-        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
-                                online_config)  # resumes from its checkpoint  # fmt: skip
+        trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
+                                            online_config)  # resumes from its checkpoint  # fmt: skip
         metrics.watch_training(trainer)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
         undone = serving.metrics.get("undone", [])
-        engine.set_adapter(as_trained(adapter, online_config, feedback_log, serving.version, undone), serving.version)
+        adapter = as_trained(adapter, online_config.adapter, feedback_log, serving.version, undone)
+        engine.set_adapter(adapter, serving.version)
     time_share = None
     if trainer is not None:
-        share, quantum_s = online_config.train_share, online_config.train_quantum_s
+        share, quantum_s = online_config.time_share.share, online_config.time_share.quantum_s
         time_share = TimeShare(trainer, engine.has_arrivals, share, quantum_s, metrics.observe_slice)
     async_engine = AsyncEngine(engine, metrics.observe, own_step_thread, time_share, metrics.observe_step)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
