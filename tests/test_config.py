@@ -123,7 +123,7 @@ def test_flags_override_the_file(tmp_path):
 def test_older_spellings_still_work():
     config = parse_config(["--enforce-eager", "--train-no-replay", "--train-no-gate", "--no-train"])
     assert config.engine.compile_decode is False
-    assert not config.online.trainer.replay and not config.online.gate and not config.online.enabled
+    assert not config.online.trainer.replay and not config.online.gate.enabled and not config.online.enabled
 
 
 # Every check of the tree, as a user trips it: the flag and the message it must name.
