@@ -43,7 +43,7 @@ class TrainerConfig:
     """The trainer's step: optimizer, record reuse, and how many samples go through the model together."""
 
     # Learning a correction from one or two: a burst of corrections trains as one batch, for up to 16 steps at 2e-3
-    # (OnlineConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
+    # (StoppingConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
     # each (docs/benchmarks.md, "Learning a correction with the defaults").
     lr: Annotated[float, flag("train-lr", "AdamW learning rate")] = 2e-3
     weight_decay: Annotated[float, flag("train-weight-decay", "AdamW weight decay")] = 0.0

@@ -87,8 +87,9 @@ class OnlineTrainer:
         guard: PoisoningGuard,
         gate: EvaluationGate | None,
     ) -> None:
-        """The loop over its parts (``from_config`` wires them as the server does): ``trainer`` steps the adapter
-        ``lineage`` publishes, checkpoints and rolls back; ``queue`` reads ``log``; ``gate`` None: no gate."""
+        """The loop over its parts (``from_config`` wires them as the server does): ``trainer`` steps the adapter,
+        which ``lineage`` restores, publishes, checkpoints and rolls back; ``queue`` reads ``log`` in training order;
+        ``gate`` None: no evaluation gate. Nothing is restored here (``from_config`` does it)."""
         self.config, self.tokenizer, self.log = config, tokenizer, log
         self.trainer, self.model, self.adapter = trainer, trainer.model, trainer.adapter
         self.queue, self.lineage, self.batch_anchors, self.rehearsal = queue, lineage, anchors, rehearsal
@@ -122,8 +123,8 @@ class OnlineTrainer:
         facts = known_fact_anchors(tokenizer) if c.anchors.known_facts else []
         anchors = BatchAnchors(model, pool, facts, c.anchors, c.trainer.group_size)
         # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
-        queue = FeedbackQueue(log, c.queue, c.objectives.thumbs_up, lambda e: pool.exclude(e.response_id,
-                                                                                           e.prompt_token_ids))
+        queue = FeedbackQueue(log, c.queue, c.objectives.thumbs_up,
+                              lambda e: pool.exclude(e.response_id, e.prompt_token_ids))  # fmt: skip
         trainer.stats.skipped = queue.skipped
         quarantine = Quarantine(log, on_release=queue.changed)
         lineage = Lineage(trainer, publisher, log, checkpoints, queue, quarantine, c.adapter, c.rollback,
