@@ -60,7 +60,7 @@ def test_serve_flags_map_onto_the_online_config():
     assert parse_config([]).online == OnlineConfig()
     got = parse_config(["--train-group-size", "2", "--train-group-max-tokens", "0",
                         "--train-quantum-ms", "40", "--no-train", "--train-no-replay"]).online  # fmt: skip
-    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
+    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.time_share.quantum_s) == (2, 0, 0.04)
     assert not got.enabled and not got.trainer.replay
 
 
