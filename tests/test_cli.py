@@ -60,7 +60,7 @@ def test_serve_flags_map_onto_the_online_config():
     assert parse_config([]).online == OnlineConfig()
     got = parse_config(["--train-group-size", "2", "--train-group-max-tokens", "0",
                         "--train-quantum-ms", "40", "--no-train", "--train-no-replay"]).online  # fmt: skip
-    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.train_quantum_s) == (2, 0, 0.04)
+    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.time_share.quantum_s) == (2, 0, 0.04)
     assert not got.enabled and not got.trainer.replay
 
 
@@ -91,7 +91,8 @@ def test_bench_online_takes_serve_flags():
     rest, serve = _serve_flags(argv)
     assert rest == ["bench", "online", "--json", "--runs", "off", "--seed", "1"]
     config = parse_config(serve, online_servers())
-    assert (config.engine.max_num_seqs, config.record.store_budget_bytes, config.online.max_wait_s) == (4, 4 << 30, 5.0)
+    assert (config.engine.max_num_seqs, config.record.store_budget_bytes, config.online.queue.max_wait_s) == (
+        4, 4 << 30, 5.0)  # fmt: skip
     assert not config.online.trainer.replay
     done = run_cli("bench", "online", "--train-lr", "0")
     assert done.returncode == 2 and "--train-lr must be positive" in done.stderr, done.stderr

@@ -9,10 +9,11 @@ import typing
 import pytest
 import yaml
 
-from alchemist.config import Config, RecordConfig
+from alchemist.config import Config, OnlineConfig, RecordConfig
 from alchemist.config.fields import field_type, flag_help, flag_of
 from alchemist.config.parse import parse_config
 from alchemist.config.root import leaves
+from alchemist.config.training import FORMER_KEYS
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,7 @@ def test_flags_override_the_file(tmp_path):
 def test_older_spellings_still_work():
     config = parse_config(["--enforce-eager", "--train-no-replay", "--train-no-gate", "--no-train"])
     assert config.engine.compile_decode is False
-    assert not config.online.trainer.replay and not config.online.gate and not config.online.enabled
+    assert not config.online.trainer.replay and not config.online.gate.enabled and not config.online.enabled
 
 
 # Every check of the tree, as a user trips it: the flag and the message it must name.
@@ -248,10 +249,32 @@ def test_file_errors_name_the_key(tmp_path):
     file.write_text("engine: {max_num_sequences: 4}\n")
     with pytest.raises(ValueError, match="unknown setting engine.max_num_sequences"):
         parse_config(["--config", str(file)])
-    file.write_text("online: {gate: 1}\n")
-    with pytest.raises(ValueError, match="online.gate must be true or false"):
+    file.write_text("online: {gate: {enabled: 1}}\n")
+    with pytest.raises(ValueError, match="online.gate.enabled must be true or false"):
         parse_config(["--config", str(file)])
     # the user's flag is named when it is what set the value, even over a file's key
     file.write_text("record: {store_budget_bytes: 1024}\n")
     with pytest.raises(ValueError, match="^--record-budget-mb must be"):
         parse_config(["--config", str(file), "--record-budget-mb", "-1"])
+
+
+def test_former_flat_keys_of_online_are_still_read_with_a_warning(tmp_path):
+    """A config file written before OnlineConfig had sections: each former key (FORMER_KEYS) sets its field where it
+    is now, with a FutureWarning naming the new key; set both ways, a setting is an error."""
+    for old, new in FORMER_KEYS.items():
+        section, name = new.split(".")
+        cls = field_type(OnlineConfig, section)
+        value = _other_value(cls, next(f for f in dataclasses.fields(cls) if f.name == name))
+        file = tmp_path / f"{old}.yaml"
+        file.write_text(yaml.safe_dump({"online": {old: value}}))
+        with pytest.warns(FutureWarning, match=f"online.{old} is now online.{new} "):
+            assert _get(parse_config(["--config", str(file)]), f"online.{new}") == value, old
+    file = tmp_path / "both.yaml"
+    file.write_text("online: {gate: false, gate_taught_samples: 3, epochs: 2, stopping: {target_loss: 0.5}}\n")
+    with pytest.warns(FutureWarning):
+        online = parse_config(["--config", str(file)]).online
+    assert (online.gate.enabled, online.gate.taught_samples, online.stopping.epochs, online.stopping.target_loss) == (
+        False, 3, 2, 0.5)  # fmt: skip
+    file.write_text("online: {epochs: 2, stopping: {epochs: 3}}\n")
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="online.stopping.epochs is set twice"):
+        parse_config(["--config", str(file)])

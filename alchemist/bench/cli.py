@@ -12,6 +12,7 @@ import importlib
 
 from alchemist.config import Config, EngineConfig, OnlineConfig, RecordConfig, TrainerConfig
 from alchemist.config.parse import add_field_flags
+from alchemist.config.training import AdapterConfig
 
 
 def _runs(module: str):
@@ -79,7 +80,7 @@ def _memory(bsub: argparse._SubParsersAction) -> None:
     add_field_flags(p, RecordConfig, "dtype")
     p.add_argument("--prefetch-depth", type=int, default=TrainerConfig.prefetch_depth,
                    help="record layers read ahead of the replay walk")  # fmt: skip
-    add_field_flags(p, OnlineConfig, "lora_r")
+    add_field_flags(p, AdapterConfig, "lora_r")
     p.add_argument("--record-dir", default=None, help="where record files go (default: a temporary directory)")
     p.add_argument("--sharegpt-samples", type=int, default=2000, help="conversations for the sharegpt-pNN lengths")
     p.add_argument("--sharegpt-mode", default="multi_turn", choices=["multi_turn", "first_turn"])
@@ -128,7 +129,7 @@ def online_servers() -> Config:
     config = Config()
     config.engine.max_num_seqs = 16
     config.record.store_budget_bytes = 4 << 30
-    config.online.max_wait_s = 5.0
+    config.online.queue.max_wait_s = 5.0
     return config
 
 
@@ -161,7 +162,9 @@ def _learn(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--parts", nargs="+", default=["teach", "forgetting", "throughput", "thumbs", "pairs"],
                    help="teach, forgetting, throughput, thumbs and/or pairs")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="an OnlineConfig field other than its default (repeatable), e.g. lr=1e-3")  # fmt: skip
+                   help="an OnlineConfig setting other than its default (repeatable), by its dotted path (e.g. "
+                   "stopping.epochs=4), a TrainerConfig field's name (lr=1e-3) or a former flat name "
+                   "(epochs=4)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="teach: rounds of asking and correcting")
     p.add_argument("--teach-facts", type=int, default=10, help="teach: how many of the ten facts")
     p.add_argument(
@@ -171,7 +174,8 @@ def _learn(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--facts", type=int, default=50, help="forgetting: facts taught one after another")
     p.add_argument("--others-per-fact", type=int, default=2, help="forgetting: ShareGPT questions served per fact")
     d = OnlineConfig()
-    p.add_argument("--throughput-items", type=int, default=d.batch_size, help="throughput: feedback per mini-batch")
+    p.add_argument("--throughput-items", type=int, default=d.queue.batch_size,
+                   help="throughput: feedback per mini-batch")  # fmt: skip
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="throughput: ShareGPT multi-turn prompts")
     p.add_argument("--max-response-tokens", type=int, default=128, help="throughput: replies cut to this")
     p.add_argument("--repeats", type=int, default=3, help="throughput: timed mini-batches per way (medians)")

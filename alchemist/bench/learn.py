@@ -50,7 +50,8 @@ from alchemist.bench.report import print_rows
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.config import OnlineConfig, TrainerConfig
 from alchemist.config.parse import parse_config
-from alchemist.config.root import file_flags
+from alchemist.config.root import file_flags, leaves
+from alchemist.config.training import FORMER_KEYS
 from alchemist.model.loader import load_model
 
 PARTS = ("teach", "forgetting", "throughput", "thumbs", "pairs")
@@ -60,17 +61,24 @@ UNRELATED_TOKENS = 32
 
 
 def online_config(sets: list[str]) -> OnlineConfig:
-    """``OnlineConfig()`` with ``--set FIELD=VALUE`` overrides (a field of OnlineConfig or of its trainer, the value
-    as YAML reads it, commas making a list), parsed and checked by the serve parser."""
+    """``OnlineConfig()`` with ``--set NAME=VALUE`` overrides, the value as YAML reads it (commas making a list),
+    parsed and checked by the serve parser. NAME: a setting's dotted path under OnlineConfig (``stopping.epochs``),
+    a TrainerConfig field's name (``lr``), or a former flat OnlineConfig field's (``epochs``, ``gate``: FORMER_KEYS),
+    so that the commands in docs/ still run."""
+    paths = {path.removeprefix("online.") for path, _, _ in leaves() if path.startswith("online.")}
     trainer_fields = {f.name for f in dataclasses.fields(TrainerConfig)}
-    online_fields = {f.name for f in dataclasses.fields(OnlineConfig)} - {"trainer"}
-    online: dict = {"trainer": {}}
+    online: dict = {}
     for s in sets:
         name, sep, value = s.partition("=")
-        if not sep or name not in trainer_fields | online_fields:
-            raise ValueError(f"--set {s!r}: expected FIELD=VALUE with an OnlineConfig or TrainerConfig field")
-        parsed = [yaml.safe_load(v) for v in value.split(",") if v] if "," in value else yaml.safe_load(value)
-        (online["trainer"] if name in trainer_fields else online)[name] = parsed
+        path = name if name in paths else f"trainer.{name}" if name in trainer_fields else FORMER_KEYS.get(name)
+        if not sep or path is None:
+            raise ValueError(f"--set {s!r}: expected NAME=VALUE with NAME an OnlineConfig setting (e.g. "
+                             "stopping.epochs), a TrainerConfig field or a former flat name")  # fmt: skip
+        *sections, leaf = path.split(".")
+        holder = online
+        for section in sections:
+            holder = holder.setdefault(section, {})
+        holder[leaf] = [yaml.safe_load(v) for v in value.split(",") if v] if "," in value else yaml.safe_load(value)
     return parse_config(file_flags({"online": online}), prog="alchemist bench learn --set").online
 
 

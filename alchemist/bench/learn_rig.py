@@ -67,7 +67,7 @@ class LearnRig:
         workdir.mkdir(parents=True, exist_ok=True)
         # The rest as the server builds it (alchemist.runtime), its state in workdir; the rig steps by hand, so the
         # system's stepping loop is never started.
-        online = dataclasses.replace(config, max_wait_s=0.0)
+        online = dataclasses.replace(config, queue=dataclasses.replace(config.queue, max_wait_s=0.0))
         system = build_around(self.engine, Config(online=online, server=ServerConfig(data_dir=str(workdir))),
                               [self.loaded.source.stem], self.store)  # fmt: skip
         if system.trainer is None:

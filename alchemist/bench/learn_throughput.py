@@ -29,7 +29,7 @@ from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter, LoraConfig
-from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
+from alchemist.training.feedback_batch import FeedbackBatch, Item
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Trainer
 
@@ -57,10 +57,7 @@ class MiniBatch:
         # measured.
         trainer = dataclasses.replace(config.trainer, max_staleness=10**9, replay=replay)
         self.trainer = Trainer(model, adapter, store, trainer)
-        self.weights = ObjectiveWeights(
-            sft=config.sft_weight, kto=config.kto_weight, dpo=config.dpo_weight, kto_beta=config.kto_beta,
-            dpo_beta=config.dpo_beta, desirable=config.kto_desirable_weight, undesirable=config.kto_undesirable_weight,
-        )  # fmt: skip
+        self.weights = config.objectives
         self.reference_s: list[float] = []  # the base model's pass, per mini-batch
         self.kl_s: list[float] = []  # KTO's reference point under the adapter (a pass without gradient), per epoch
         self.passes = 0
@@ -71,7 +68,7 @@ class MiniBatch:
         if batch.kto or batch.dpo:
             run_to_end(batch.references_slices(self.trainer))
         self.reference_s.append(time.perf_counter() - t0)
-        for _ in range(self.config.epochs):
+        for _ in range(self.config.stopping.epochs):
             t0 = time.perf_counter()
             samples, scales = run_to_end(batch.samples_slices(self.trainer))
             self.kl_s.append(time.perf_counter() - t0)
@@ -104,8 +101,8 @@ def throughput(args: argparse.Namespace, config: OnlineConfig) -> list[dict]:
     prompts = [tok.apply_chat_template(s.messages) for s in samples]
     replies = [tok.encode_reply(s.reply)[: args.max_response_tokens] for s in samples]
     record_prompts(engine, prompts)
-    adapter = LoraAdapter(model.config, LoraConfig(r=config.lora_r, alpha=config.lora_alpha), device=model.device,
-                          seed=config.seed)  # fmt: skip
+    adapter = LoraAdapter(model.config, LoraConfig(r=config.adapter.lora_r, alpha=config.adapter.lora_alpha),
+                          device=model.device, seed=config.adapter.seed)  # fmt: skip
     shape = {"items": len(prompts), "prompt_tokens": round(statistics.mean(map(len, prompts))),
              "response_tokens": round(statistics.mean(map(len, replies)))}  # fmt: skip
     rows = []
@@ -118,7 +115,8 @@ def throughput(args: argparse.Namespace, config: OnlineConfig) -> list[dict]:
         ratio = times["recompute"] / times["replay"]
         rows.append({
             "part": "throughput", "objective": objective, **shape, "passes": batches["replay"].passes,
-            "epochs": config.epochs, "replay_s": round(times["replay"], 3), "recompute_s": round(times["recompute"], 3),
+            "epochs": config.stopping.epochs, "replay_s": round(times["replay"], 3),
+            "recompute_s": round(times["recompute"], 3),
             # the passes without gradient, replayed and recomputed: the base model's (once a batch), KTO's z0 (a step)
             "reference_s": round(statistics.median(batches["replay"].reference_s), 3),
             "reference_recompute_s": round(statistics.median(batches["recompute"].reference_s), 3),

@@ -359,9 +359,10 @@ def main(args: argparse.Namespace) -> int:
         f"# {len(work.chats)} ShareGPT {args.mode} requests at {args.request_rate} req/s (Poisson, seed {args.seed}), "
         f"prompt tokens mean {np.mean(work.prompt_tokens):.0f} max {max(work.prompt_tokens)}, output tokens mean "
         f"{np.mean(work.max_tokens):.0f} (cap {args.max_tokens}, EOS ignored), {args.feedback} feedback on "
-        f"{sum(f is not None for f in work.feedback)}; train batch {online.batch_size}, epochs "
-        f"{online.epochs}, group {trainer.group_size} ({trainer.group_max_tokens} tokens), share "
-        f"{online.train_share}, quantum {online.train_quantum_s * 1000:g} ms, max wait {online.max_wait_s} s; dtype "
+        f"{sum(f is not None for f in work.feedback)}; train batch {online.queue.batch_size}, epochs "
+        f"{online.stopping.epochs}, group {trainer.group_size} ({trainer.group_max_tokens} tokens), share "
+        f"{online.time_share.share}, quantum {online.time_share.quantum_s * 1000:g} ms, max wait "
+        f"{online.queue.max_wait_s} s; dtype "
         f"{args.serve.engine.dtype}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load "
         f"average at start {os.getloadavg()[0]:.1f}"
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import tyro
 import yaml
 
 from alchemist.config.fields import FieldError, deferred_checks, flag_of
-from alchemist.config.root import Config, file_flags, file_keys
+from alchemist.config.root import MOVED, Config, file_flags, file_keys
 
 # Spellings from before the flags were generated, still accepted: tyro makes --X / --no-X pairs.
 LEGACY_FLAGS = {
@@ -38,6 +39,40 @@ def load_file(path: str) -> dict[str, Any]:
     text = Path(path).read_text()
     data = tomllib.loads(text) if path.endswith(".toml") else yaml.safe_load(text)
     return data or {}
+
+
+def moved_keys(data: dict[str, Any], path: str = "the config file") -> dict[str, Any]:
+    """``data`` with the keys of settings that moved (``root.MOVED``) put where they are now, a ``FutureWarning``
+    naming the new key for each. An old key that is now a section's name (``online.gate``) counts as old only when
+    its value is not a mapping."""
+    data = _copy(data)
+    found: list[tuple[str, Any]] = []
+    for old, new in MOVED.items():
+        *parents, leaf = old.split(".")
+        holder = _section(data, parents)
+        if holder is None or leaf not in holder or isinstance(holder[leaf], dict):
+            continue
+        found.append((new, holder.pop(leaf)))
+        warnings.warn(f"{path}: {old} is now {new} (the old key is still read, for now)", FutureWarning, stacklevel=3)
+    for new, value in found:  # after every old key is out: an old key may be a new section's name
+        *parents, leaf = new.split(".")
+        holder = data
+        for part in parents:
+            holder = holder.setdefault(part, {})
+        if leaf in holder:
+            raise ValueError(f"{new} is set twice (once by its old key)")
+        holder[leaf] = value
+    return data
+
+
+def _copy(data: Any) -> Any:
+    return {k: _copy(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def _section(data: dict[str, Any], parts: list[str]) -> dict[str, Any] | None:
+    for part in parts:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
 
 
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -67,9 +102,9 @@ def parse_config(argv: list[str], base: Config | None = None, prog: str = "alche
         config = base if base is not None else Config()
         keys: set[str] = set()
         if path is not None:
-            data = load_file(path)
-            keys = file_keys(data)
             try:
+                data = moved_keys(load_file(path), path)
+                keys = file_keys(data)
                 from_file = file_flags(data)
             except ValueError as e:
                 raise ValueError(f"{path}: {e}") from None

@@ -20,7 +20,7 @@ from alchemist.config.engine import EngineConfig
 from alchemist.config.fields import field_type, flag_of, sections
 from alchemist.config.record import RecordConfig
 from alchemist.config.server import ServerConfig
-from alchemist.config.training import OnlineConfig
+from alchemist.config.training import FORMER_KEYS, OnlineConfig
 
 
 @dataclass
@@ -35,6 +35,10 @@ class Config:
     def check(self) -> None:
         for section in dataclasses.fields(self):
             getattr(self, section.name).check()
+
+
+# Settings that moved (old dotted path -> new): a config file may still use the old keys (parse.py warns).
+MOVED: dict[str, str] = {f"online.{old}": f"online.{new}" for old, new in FORMER_KEYS.items()}
 
 
 def leaves(cls: type = Config, path: str = "") -> Iterator[tuple[str, type, dataclasses.Field]]:

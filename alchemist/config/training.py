@@ -1,12 +1,28 @@
 """The training sections: the trainer's step (``TrainerConfig``) and the online loop around it (``OnlineConfig``).
 
-``OnlineConfig.trainer`` is the step the loop runs, so each of the step's settings has one default and one check,
-whether a test builds a ``Trainer`` alone or the server runs the loop.
+``OnlineConfig`` is a section per component of the loop, each handed to the component it configures
+(``alchemist.training.online.OnlineTrainer.from_config`` wires them):
+
+    trainer     TrainerConfig     the step the loop runs (alchemist.training.trainer)
+    queue       QueueConfig       what trains next and when: batches, one key's share, the backlog policy
+    stopping    StoppingConfig    when a batch's steps end
+    objectives  ObjectivesConfig  SFT / KTO / DPO weights and betas (alchemist.training.feedback_batch)
+    adapter     AdapterConfig     the adapter's ranks, scale, seed, protected directions, versions kept
+    anchors     AnchorsConfig     the KL to the base model on served traffic and known facts
+    rehearsal   RehearsalConfig   corrections trained before, rehearsed beside each batch
+    guard       GuardConfig       the poisoning guard (alchemist.training.quarantine)
+    gate        GateConfig        the evaluation gate (alchemist.training.evaluation)
+    rollback    RollbackConfig    the regression watch (alchemist.training.regression)
+    time_share  TimeShareConfig   training's share of the stepping thread (alchemist.server.async_engine)
+
+So each setting has one default and one check, whether a test builds a component alone or the server runs the loop.
+The flags are as flat as before the sections (``--train-gate-heldout-max-rise``); ``FORMER_KEYS`` says where each
+flat field of the old ``OnlineConfig`` went, so that config files written for it are still read (parse.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
 
 from alchemist.config.fields import (
@@ -15,8 +31,10 @@ from alchemist.config.fields import (
     check_non_negative,
     check_positive,
     check_positive_ints,
+    field_type,
     flag,
     run_checks,
+    sections,
 )
 
 
@@ -25,7 +43,7 @@ class TrainerConfig:
     """The trainer's step: optimizer, record reuse, and how many samples go through the model together."""
 
     # Learning a correction from one or two: a burst of corrections trains as one batch, for up to 16 steps at 2e-3
-    # (OnlineConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
+    # (StoppingConfig.epochs). At 2e-4, one step a batch, 0 of 10 invented facts were learned after two corrections
     # each (docs/benchmarks.md, "Learning a correction with the defaults").
     lr: Annotated[float, flag("train-lr", "AdamW learning rate")] = 2e-3
     weight_decay: Annotated[float, flag("train-weight-decay", "AdamW weight decay")] = 0.0
@@ -62,20 +80,43 @@ class TrainerConfig:
 
 
 @dataclass
-class OnlineConfig:
-    """The online trainer inside the server: feedback -> mini-batches -> LoRA steps -> published adapter versions."""
+class QueueConfig:
+    """What trains next and when (alchemist.training.feedback_queue): batches, one key's share, the backlog policy."""
 
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    enabled: Annotated[bool, flag("train", "train on feedback (--no-train: log it, train nothing)")] = True
     # A burst of corrections trains as one batch until each one's loss is under target_loss, the adapter kept out of
     # ordinary chat's directions (protect_energy).
     batch_size: Annotated[int, flag("train-batch-size", "feedback samples per optimizer step")] = 16
     # One API key's entries take at most this share of a batch's places while other keys' feedback waits (its
-    # excess waits for later batches, never dropped; with no one else waiting it fills the batch).
+    # excess waits for later batches, never dropped; with no one else waiting it fills the batch). The regression
+    # watch counts one key's ratings up to the same share (RollbackConfig).
     key_share: Annotated[float, flag("train-key-share", "most of a batch one API key takes while others' feedback "
                                      "waits (1: no cap)")] = 0.5  # fmt: skip
     max_wait_s: Annotated[float, flag("train-max-wait-s", "train a partial batch once its oldest feedback waited "
                                       "this long")] = 10.0  # fmt: skip
+    # The backlog policy: what is still untrained this long after it arrived is skipped (its state says why).
+    skip_ratings_after_s: Annotated[float, flag("train-skip-ratings-after-s", "skip ratings and preferences not "
+                                                "trained this long after arrival (0: never)")] = 1800.0  # fmt: skip
+    skip_corrections_after_s: Annotated[float, flag("train-skip-corrections-after-s", "skip corrections not "
+                                                    "trained this long after arrival (0: never)")] = 0.0  # fmt: skip
+
+    @property
+    def per_key(self) -> int | None:
+        """The most places of a batch one key takes while others wait (None: no cap)."""
+        return None if self.key_share >= 1.0 else max(1, int(self.key_share * self.batch_size))
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_positive_ints(self, "batch_size")
+        check_non_negative(self, "max_wait_s", "skip_ratings_after_s", "skip_corrections_after_s")
+        check(self, 0.0 < self.key_share <= 1.0, "key_share", "must be in (0, 1]")
+
+
+@dataclass
+class StoppingConfig:
+    """When a batch's steps end (alchemist.training.stopping)."""
+
     # 8 steps left one or two of ten new facts unlearned after two corrections (docs/benchmarks.md, "Learning a
     # correction with the defaults"); a batch whose corrections are learned ends sooner (target_token_p).
     epochs: Annotated[int, flag("train-epochs", "optimizer steps over each mini-batch, at most")] = 16
@@ -91,6 +132,49 @@ class OnlineConfig:
     # (docs/benchmarks.md, "Online loop"; what such a batch did not learn, rehearsal revisits).
     yield_after_s: Annotated[float, flag("train-yield-after-s", "a mini-batch's steps after the first end once "
                                          "a correction queued behind it waited so long (0: never)")] = 60.0  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_positive_ints(self, "epochs")
+        check_non_negative(self, "target_loss", "yield_after_s")
+        check(self, 0.0 <= self.target_token_p < 1.0, "target_token_p", "must be in [0, 1)")
+
+
+@dataclass
+class ObjectivesConfig:
+    """The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
+    preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model."""
+
+    sft_weight: Annotated[float, flag("train-sft-weight", "weight of the SFT loss (corrections)")] = 1.0
+    kto_weight: Annotated[float, flag("train-kto-weight", "weight of the KTO loss (ratings without a "
+                                      "correction)")] = 1.0  # fmt: skip
+    dpo_weight: Annotated[float, flag("train-dpo-weight", "weight of the DPO loss (preference pairs)")] = 1.0
+    kto_beta: Annotated[float, flag("train-kto-beta", "KTO's beta")] = 0.1
+    dpo_beta: Annotated[float, flag("train-dpo-beta", "DPO's beta")] = 0.1
+    kto_desirable_weight: Annotated[float, flag("train-kto-desirable-weight", "KTO's weight of desirable "
+                                                "samples (thumbs up)")] = 1.0  # fmt: skip
+    kto_undesirable_weight: Annotated[float, flag("train-kto-undesirable-weight", "KTO's weight of undesirable "
+                                                  "samples (thumbs down)")] = 1.0  # fmt: skip
+    thumbs_up: Annotated[Literal["kto", "sft"], flag("train-thumbs-up", "a thumbs-up without a correction: "
+                         "KTO-desirable, or SFT on the served answer")] = "kto"  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_non_negative(self, "sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight",
+                           "kto_undesirable_weight")  # fmt: skip
+        check_positive(self, "kto_beta", "dpo_beta")
+        check(self, self.thumbs_up in ("kto", "sft"), "thumbs_up", "must be 'kto' or 'sft'")
+
+
+@dataclass
+class AdapterConfig:
+    """The adapter the loop trains: its ranks and scale, its initialisation, the directions it may not read, and
+    how many of its versions are kept (alchemist.training.lineage)."""
+
     lora_r: Annotated[int, flag("lora-r", "the adapter's rank")] = 16
     lora_alpha: Annotated[float, flag("lora-alpha", "the adapter's scale numerator (alpha / r)")] = 32.0
     # Thumbs and pairs change ordinary chat, which the protected directions and the anchors keep as it was: through
@@ -110,117 +194,201 @@ class OnlineConfig:
                                           "adapter may not read (0: off)")] = 0.97  # fmt: skip
     keep_versions: Annotated[int, flag("keep-adapter-versions", "adapter versions kept on disk (rollback "
                                        "targets)")] = 8  # fmt: skip
-    # Time-sliced with serving, never concurrent (design note, section 12); with no request in flight, training takes
-    # whatever is free.
-    train_share: Annotated[float, flag("train-share", "share of the time training takes while requests are "
-                                       "served")] = 0.2  # fmt: skip
-    # Slices back to back let a replay train faster under load, but serving's TPOT measured worse with them
-    # (alchemist.server.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
-    train_quantum_s: Annotated[float, flag("train-quantum-ms", "while serving, train in turns of slices up to this "
-                                           "long (0: a slice after every engine step)"), MS] = 0.0  # fmt: skip
     seed: Annotated[int, flag("train-seed", "the adapter's initialisation")] = 0
-    # Each step also minimises anchor_weight x KL(base || adapted) on the responses of the anchor_samples most
-    # recent served completions (top-k of the base distribution; alchemist.training.anchors).
-    anchor_weight: Annotated[float, flag("train-anchor-weight", "weight of the KL to the base model on served "
-                                         "traffic (0: off)")] = 3.0  # fmt: skip
-    anchor_samples: Annotated[int, flag("train-anchor-samples", "recent served completions per step")] = 16
-    anchor_top_k: Annotated[int, flag("train-anchor-top-k", "base-model tokens kept per anchor position")] = 32
-    anchor_max_tokens: Annotated[int, flag("train-anchor-max-tokens", "response tokens of an anchor")] = 64
-    # Their prompts go through the model whole: on long chats 16 anchors were most of a step's rows and the trainer
-    # fell behind (docs/benchmarks.md, "Online loop"); short questions' 16 fit (about 1,450 rows).
-    anchor_max_rows: Annotated[int, flag("train-anchor-max-rows", "rows (prompt + response tokens) of the served "
-                                         "anchors per step at most: the most recent that fit (0: no limit)")] = 2048
-    anchor_pool_size: Annotated[int, flag("train-anchor-pool-size", "served completions kept as candidate "
-                                          "anchors")] = 256  # fmt: skip
-    # ... and on this many well-known facts asked and answered, taken in turn from a fixed list: a fact taught in a
-    # template that real facts share moved their answers until the gate blocked every version (alchemist.training.
-    # anchors, docs/benchmarks.md "Learning with the defaults").
-    anchor_known_facts: Annotated[int, flag("train-anchor-known-facts", "well-known facts kept as anchors each "
-                                            "step (0: none)")] = 8  # fmt: skip
-    # Corrections trained before are rehearsed beside each batch, taken in turn: taught one after another without it,
-    # 1 of the first ten facts was still known after twenty (8 with it; docs/benchmarks.md, "Learning with the
-    # defaults").
-    rehearse_corrections: Annotated[int, flag("train-rehearse-corrections", "corrections trained before, "
-                                              "rehearsed (SFT) in each step (0: none)")] = 8  # fmt: skip
-    # ... and at most this many rows (prompt + response - 1 each): eight taught facts fit, a long chat correction
-    # takes them alone. Rehearsed samples are mostly recomputed (their records are gone); unbounded, eight ShareGPT
-    # corrections a step kept `bench online`'s trainer from keeping up (docs/benchmarks.md, "Online loop").
-    rehearse_max_tokens: Annotated[int, flag("train-rehearse-max-tokens", "rows (prompt + response tokens) of "
-                                             "rehearsed corrections per step at most; a longer one is passed over "
-                                             "(0: no limit)")] = 512  # fmt: skip
-    # Poisoning guard (alchemist.training.quarantine). 4: a correction of random characters had about 4x the loss of
-    # sensible ones on SmolLM2 (tests/server/test_poisoning.py, where the factor is 3).
-    loss_spike_factor: Annotated[float, flag("train-loss-spike-factor", "quarantine a sample whose loss exceeds "
-                                             "this x the running level (0: NaN/inf only)")] = 4.0  # fmt: skip
-    loss_spike_warmup: Annotated[int, flag("train-loss-spike-warmup", "losses seen before spikes count")] = 8
-    # The evaluation gate (alchemist.training.evaluation): a new version serves only if it is within all its bounds.
-    gate: Annotated[bool, flag("train-gate", "evaluate new adapter versions before they serve")] = True
-    gate_heldout_max_rise: Annotated[float, flag("train-gate-heldout-max-rise", "held-out perplexity rise over the "
-                                                 "base model a version may have (0.1: a tenth)")] = 0.10  # fmt: skip
-    gate_canary_max_drop: Annotated[float, flag("train-gate-canary-max-drop", "nats any canary answer's "
-                                                "log-probability may lose against the base model")] = 6.0  # fmt: skip
-    gate_canary_max_mean_drop: Annotated[float, flag("train-gate-canary-max-mean-drop",
-                                                     "... and all of them on average")] = 3.0  # fmt: skip
-    gate_taught_max_rise: Annotated[float, flag("train-gate-taught-max-rise", "nats per token a fact taught "
-                                                "earlier may lose against the serving version")] = 1.0  # fmt: skip
-    gate_taught_samples: Annotated[int, flag("train-gate-taught-samples", "facts taught earlier (the most recent "
-                                             "trained corrections) that are checked")] = 16  # fmt: skip
-    # Watching what serves (alchemist.training.regression): serving goes back past versions whose users rate them
-    # clearly worse than those before (thumbs-down rate, pooled, one key at most key_share of the ratings counted).
-    rollback_min_ratings: Annotated[int, flag("train-rollback-min-ratings", "roll back versions users rate worse, "
-                                              "given this many ratings a side (0: never)")] = 30  # fmt: skip
-    rollback_margin: Annotated[float, flag("train-rollback-margin", "... when their thumbs-down rate is higher by "
-                                           "this much (0.15: 15 points)")] = 0.15  # fmt: skip
-    rollback_z: Annotated[float, flag("train-rollback-z", "... and by a one-sided two-proportion z-test at this "
-                                      "z")] = 3.0  # fmt: skip
-    # The objectives (alchemist.training.objectives): corrections by SFT, ratings without a correction by KTO,
-    # preference pairs by DPO, mixed in one step; each weighs its mean loss. The reference is the base model.
-    sft_weight: Annotated[float, flag("train-sft-weight", "weight of the SFT loss (corrections)")] = 1.0
-    kto_weight: Annotated[float, flag("train-kto-weight", "weight of the KTO loss (ratings without a "
-                                      "correction)")] = 1.0  # fmt: skip
-    dpo_weight: Annotated[float, flag("train-dpo-weight", "weight of the DPO loss (preference pairs)")] = 1.0
-    kto_beta: Annotated[float, flag("train-kto-beta", "KTO's beta")] = 0.1
-    dpo_beta: Annotated[float, flag("train-dpo-beta", "DPO's beta")] = 0.1
-    kto_desirable_weight: Annotated[float, flag("train-kto-desirable-weight", "KTO's weight of desirable "
-                                                "samples (thumbs up)")] = 1.0  # fmt: skip
-    kto_undesirable_weight: Annotated[float, flag("train-kto-undesirable-weight", "KTO's weight of undesirable "
-                                                  "samples (thumbs down)")] = 1.0  # fmt: skip
-    thumbs_up: Annotated[Literal["kto", "sft"], flag("train-thumbs-up", "a thumbs-up without a correction: "
-                         "KTO-desirable, or SFT on the served answer")] = "kto"  # fmt: skip
-    # The backlog policy: what is still untrained this long after it arrived is skipped (its state says why).
-    skip_ratings_after_s: Annotated[float, flag("train-skip-ratings-after-s", "skip ratings and preferences not "
-                                                "trained this long after arrival (0: never)")] = 1800.0  # fmt: skip
-    skip_corrections_after_s: Annotated[float, flag("train-skip-corrections-after-s", "skip corrections not "
-                                                    "trained this long after arrival (0: never)")] = 0.0  # fmt: skip
-
-    @property
-    def per_key(self) -> int | None:
-        """The most places of a batch one key takes while others wait (None: no cap)."""
-        return None if self.key_share >= 1.0 else max(1, int(self.key_share * self.batch_size))
 
     def __post_init__(self) -> None:
         run_checks(self)
 
     def check(self) -> None:
-        self.trainer.check()
-        check_positive_ints(self, "batch_size", "epochs", "lora_r", "keep_versions", "anchor_samples", "anchor_top_k",
-                            "anchor_max_tokens", "anchor_pool_size")  # fmt: skip
-        check_non_negative(self, "sft_weight", "kto_weight", "dpo_weight", "kto_desirable_weight",
-                           "kto_undesirable_weight", "skip_ratings_after_s", "skip_corrections_after_s",
-                           "loss_spike_factor", "anchor_weight", "target_loss", "max_wait_s",
-                           "yield_after_s")  # fmt: skip
-        check_non_negative(self, "anchor_known_facts", "rehearse_corrections", "rehearse_max_tokens",
-                           "anchor_max_rows", "preference_r", integer=True)
-        check_positive(self, "kto_beta", "dpo_beta", "lora_alpha", "gate_heldout_max_rise", "gate_canary_max_drop",
-                       "gate_canary_max_mean_drop", "gate_taught_max_rise")  # fmt: skip
-        check_non_negative(self, "gate_taught_samples", "loss_spike_warmup", "seed", "rollback_min_ratings",
-                           integer=True)  # fmt: skip
-        check_non_negative(self, "rollback_margin", "rollback_z")
-        check(self, self.thumbs_up in ("kto", "sft"), "thumbs_up", "must be 'kto' or 'sft'")
+        check_positive_ints(self, "lora_r", "keep_versions")
+        check_positive(self, "lora_alpha")
+        check_non_negative(self, "preference_r", "seed", integer=True)
         check(self, 0.0 <= self.protect_energy < 1.0, "protect_energy", "must be in [0, 1)")
-        check(self, 0.0 <= self.target_token_p < 1.0, "target_token_p", "must be in [0, 1)")
-        check(self, 0.0 < self.key_share <= 1.0, "key_share", "must be in (0, 1]")
-        check(self, 0.0 <= self.train_share < 1.0, "train_share", "must be in [0, 1)")
-        check(self, 0.0 <= self.train_quantum_s <= 1.0, "train_quantum_s", "must be between 0 and a second")
-        for name in ("enabled", "gate"):
-            check(self, isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(self, isinstance(self.route_corrections, bool), "route_corrections", "must be a bool")
+
+
+@dataclass
+class AnchorsConfig:
+    """Each step also minimises ``weight`` x KL(base || adapted) on the responses of the ``samples`` most recent
+    served completions (top-k of the base distribution) and on known facts (alchemist.training.anchors)."""
+
+    weight: Annotated[float, flag("train-anchor-weight", "weight of the KL to the base model on served "
+                                  "traffic (0: off)")] = 3.0  # fmt: skip
+    samples: Annotated[int, flag("train-anchor-samples", "recent served completions per step")] = 16
+    top_k: Annotated[int, flag("train-anchor-top-k", "base-model tokens kept per anchor position")] = 32
+    max_tokens: Annotated[int, flag("train-anchor-max-tokens", "response tokens of an anchor")] = 64
+    # Their prompts go through the model whole: on long chats 16 anchors were most of a step's rows and the trainer
+    # fell behind (docs/benchmarks.md, "Online loop"); short questions' 16 fit (about 1,450 rows).
+    max_rows: Annotated[int, flag("train-anchor-max-rows", "rows (prompt + response tokens) of the served "
+                                  "anchors per step at most: the most recent that fit (0: no limit)")] = 2048
+    pool_size: Annotated[int, flag("train-anchor-pool-size", "served completions kept as candidate "
+                                   "anchors")] = 256  # fmt: skip
+    # ... and on this many well-known facts asked and answered, taken in turn from a fixed list: a fact taught in a
+    # template that real facts share moved their answers until the gate blocked every version (alchemist.training.
+    # anchors, docs/benchmarks.md "Learning with the defaults").
+    known_facts: Annotated[int, flag("train-anchor-known-facts", "well-known facts kept as anchors each "
+                                     "step (0: none)")] = 8  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_positive_ints(self, "samples", "top_k", "max_tokens", "pool_size")
+        check_non_negative(self, "weight")
+        check_non_negative(self, "known_facts", "max_rows", integer=True)
+
+
+@dataclass
+class RehearsalConfig:
+    """Corrections trained before are rehearsed beside each batch, taken in turn (alchemist.training.rehearsal):
+    taught one after another without it, 1 of the first ten facts was still known after twenty (8 with it;
+    docs/benchmarks.md, "Learning with the defaults")."""
+
+    corrections: Annotated[int, flag("train-rehearse-corrections", "corrections trained before, "
+                                     "rehearsed (SFT) in each step (0: none)")] = 8  # fmt: skip
+    # ... and at most this many rows (prompt + response - 1 each): eight taught facts fit, a long chat correction
+    # takes them alone. Rehearsed samples are mostly recomputed (their records are gone); unbounded, eight ShareGPT
+    # corrections a step kept `bench online`'s trainer from keeping up (docs/benchmarks.md, "Online loop").
+    max_tokens: Annotated[int, flag("train-rehearse-max-tokens", "rows (prompt + response tokens) of "
+                                    "rehearsed corrections per step at most; a longer one is passed over "
+                                    "(0: no limit)")] = 512  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_non_negative(self, "corrections", "max_tokens", integer=True)
+
+
+@dataclass
+class GuardConfig:
+    """The poisoning guard (alchemist.training.quarantine). 4: a correction of random characters had about 4x the
+    loss of sensible ones on SmolLM2 (tests/server/test_poisoning.py, where the factor is 3)."""
+
+    spike_factor: Annotated[float, flag("train-loss-spike-factor", "quarantine a sample whose loss exceeds "
+                                        "this x the running level (0: NaN/inf only)")] = 4.0  # fmt: skip
+    warmup: Annotated[int, flag("train-loss-spike-warmup", "losses seen before spikes count")] = 8
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_non_negative(self, "spike_factor")
+        check_non_negative(self, "warmup", integer=True)
+
+
+@dataclass
+class GateConfig:
+    """The evaluation gate (alchemist.training.evaluation): a new version serves only if it is within all its
+    bounds."""
+
+    enabled: Annotated[bool, flag("train-gate", "evaluate new adapter versions before they serve")] = True
+    heldout_max_rise: Annotated[float, flag("train-gate-heldout-max-rise", "held-out perplexity rise over the "
+                                            "base model a version may have (0.1: a tenth)")] = 0.10  # fmt: skip
+    # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
+    # 400 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital,
+    # and to facts overlearned until the model answered "The capital of France is France." (docs/benchmarks.md, "The
+    # evaluation gate").
+    canary_max_drop: Annotated[float, flag("train-gate-canary-max-drop", "nats any canary answer's "
+                                           "log-probability may lose against the base model")] = 6.0  # fmt: skip
+    canary_max_mean_drop: Annotated[float, flag("train-gate-canary-max-mean-drop",
+                                                "... and all of them on average")] = 3.0  # fmt: skip
+    taught_max_rise: Annotated[float, flag("train-gate-taught-max-rise", "nats per token a fact taught "
+                                           "earlier may lose against the serving version")] = 1.0  # fmt: skip
+    taught_samples: Annotated[int, flag("train-gate-taught-samples", "facts taught earlier (the most recent "
+                                        "trained corrections) that are checked")] = 16  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_positive(self, "heldout_max_rise", "canary_max_drop", "canary_max_mean_drop", "taught_max_rise")
+        check_non_negative(self, "taught_samples", integer=True)
+        check(self, isinstance(self.enabled, bool), "enabled", "must be a bool")
+
+
+@dataclass
+class RollbackConfig:
+    """Watching what serves (alchemist.training.regression): serving goes back past versions whose users rate them
+    clearly worse than those before (thumbs-down rate, pooled, one key at most ``QueueConfig.key_share`` of the
+    ratings counted)."""
+
+    min_ratings: Annotated[int, flag("train-rollback-min-ratings", "roll back versions users rate worse, "
+                                     "given this many ratings a side (0: never)")] = 30  # fmt: skip
+    margin: Annotated[float, flag("train-rollback-margin", "... when their thumbs-down rate is higher by "
+                                  "this much (0.15: 15 points)")] = 0.15  # fmt: skip
+    # One-sided; strict because each version of the lineage is a comparison.
+    z: Annotated[float, flag("train-rollback-z", "... and by a one-sided two-proportion z-test at this "
+                             "z")] = 3.0  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check_non_negative(self, "min_ratings", integer=True)
+        check_non_negative(self, "margin", "z")
+
+
+@dataclass
+class TimeShareConfig:
+    """Training's share of the stepping thread (alchemist.server.async_engine): time-sliced with serving, never
+    concurrent (design note, section 12); with no request in flight, training takes whatever is free."""
+
+    share: Annotated[float, flag("train-share", "share of the time training takes while requests are "
+                                 "served")] = 0.2  # fmt: skip
+    # Slices back to back let a replay train faster under load, but serving's TPOT measured worse with them
+    # (alchemist.server.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
+    quantum_s: Annotated[float, flag("train-quantum-ms", "while serving, train in turns of slices up to this "
+                                     "long (0: a slice after every engine step)"), MS] = 0.0  # fmt: skip
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        check(self, 0.0 <= self.share < 1.0, "share", "must be in [0, 1)")
+        check(self, 0.0 <= self.quantum_s <= 1.0, "quantum_s", "must be between 0 and a second")
+
+
+@dataclass
+class OnlineConfig:
+    """The online trainer inside the server: feedback -> mini-batches -> LoRA steps -> published adapter versions."""
+
+    enabled: Annotated[bool, flag("train", "train on feedback (--no-train: log it, train nothing)")] = True
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    stopping: StoppingConfig = field(default_factory=StoppingConfig)
+    objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    anchors: AnchorsConfig = field(default_factory=AnchorsConfig)
+    rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    time_share: TimeShareConfig = field(default_factory=TimeShareConfig)
+
+    def __post_init__(self) -> None:
+        run_checks(self)
+
+    def check(self) -> None:
+        for section in sections(type(self)):
+            getattr(self, section.name).check()
+        check(self, isinstance(self.enabled, bool), "enabled", "must be a bool")
+
+
+def _moved(section: str, prefix: str = "", **renamed: str) -> dict[str, str]:
+    """The former flat keys of ``section``'s fields (``prefix`` + the field's name, or as ``renamed``) -> their
+    dotted paths under ``online``."""
+    names = [f.name for f in fields(field_type(OnlineConfig, section))]
+    return {renamed.get(name, prefix + name): f"{section}.{name}" for name in names}
+
+
+# OnlineConfig's flat fields before it had sections (old key -> new dotted path, both under ``online``): config
+# files that use them are still read, with a warning naming the new key (alchemist.config.parse), and `bench learn
+# --set` takes them.
+FORMER_KEYS: dict[str, str] = {
+    **_moved("queue"), **_moved("stopping"), **_moved("objectives"), **_moved("adapter"),
+    **_moved("anchors", "anchor_"), **_moved("rehearsal", "rehearse_"),
+    **_moved("guard", spike_factor="loss_spike_factor", warmup="loss_spike_warmup"),
+    **_moved("gate", "gate_", enabled="gate"), **_moved("rollback", "rollback_"),
+    **_moved("time_share", share="train_share", quantum_s="train_quantum_s"),
+}  # fmt: skip

@@ -1,6 +1,6 @@
 """Which requests the corrections' ranks serve: those whose prompt holds most of a taught prompt's rare words.
 
-A correction taught to the adapter (the ranks ``OnlineConfig.lora_r``, cut: ``alchemist.training.rank_split``)
+A correction taught to the adapter (the ranks ``AdapterConfig.lora_r``, cut: ``alchemist.training.rank_split``)
 is served only to requests that resemble a prompt it was taught on; every other request is served the base model
 plus the preference ranks, exactly as before anything was taught. Model-editing methods with a scope do the same
 (GRACE, WISE); this is the simplest scope, on the prompt's words before any forward:

@@ -23,7 +23,8 @@ from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.runtime.system import System
 from alchemist.runtime.time_share import TimeShare
 from alchemist.training.checkpoint import AdapterCheckpoints
-from alchemist.training.online import OnlineTrainer, as_trained
+from alchemist.training.lineage import as_trained
+from alchemist.training.online import OnlineTrainer
 
 
 def build(config: Config, own_step_thread: bool = True) -> System:
@@ -55,16 +56,16 @@ def build_around(
     online, server = config.online, config.server
     store = store if store is not None else engine.store
     feedback_log = FeedbackLog(server.feedback_db_path)
-    checkpoints = AdapterCheckpoints(Path(server.data_dir) / "adapters", online.keep_versions)
+    checkpoints = AdapterCheckpoints(Path(server.data_dir) / "adapters", online.adapter.keep_versions)
     trainer = time_share = None
     if online.enabled:
-        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
-                                online)  # resumes from its checkpoint  # fmt: skip
-        time_share = TimeShare(trainer, engine.has_arrivals, online.train_share, online.train_quantum_s)
+        trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
+                                            online)  # resumes from its checkpoint  # fmt: skip
+        time_share = TimeShare(trainer, engine.has_arrivals, online.time_share.share, online.time_share.quantum_s)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
         undone = serving.metrics.get("undone", [])
-        engine.set_adapter(as_trained(adapter, online, feedback_log, serving.version, undone), serving.version)
+        engine.set_adapter(as_trained(adapter, online.adapter, feedback_log, serving.version, undone), serving.version)
     async_engine = AsyncEngine(engine, own_step_thread=own_step_thread, time_share=time_share)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     return System(config, engine, store, feedback_log, checkpoints, trainer, time_share, async_engine, names)

@@ -1,6 +1,6 @@
 """Training's share of the stepping thread: when background work (the online trainer) runs between engine steps.
 
-    share = TimeShare(trainer, engine.has_arrivals, online.train_share, online.train_quantum_s)   # runtime/build.py
+    share = TimeShare(trainer, engine.has_arrivals, online.time_share.share, online.time_share.quantum_s)
     while serving:                              # the stepping thread (alchemist.runtime.async_engine)
         if engine.has_unfinished():
             t0 = time.perf_counter(); engine.step()

@@ -44,7 +44,7 @@ class AdapterNotFoundError(LookupError):
     def __init__(self, version: int, kept: list[int]):
         super().__init__(
             f"No adapter version {version} to roll back to; kept: {kept or 'none'} (0 is the base model; "
-            "OnlineConfig.keep_versions sets how many are kept)"
+            "OnlineConfig.adapter.keep_versions sets how many are kept)"
         )
         self.param = "version"
 

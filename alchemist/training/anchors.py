@@ -18,6 +18,7 @@ off (as PEFT's ``disable_adapter`` gives TRL its reference).
   median position of held-out ShareGPT replies, 0.89 on average (``docs/profiles/top_k_mass.py``).
 - ``AnchorPool``: the most recent served completions (bounded), fed by the server as responses finish; a prompt
   someone gave feedback on is excluded for good (its anchor would pull against the correction).
+- ``BatchAnchors``: a batch's anchors, the pool's most recent and the next known facts, with their targets.
 - ``known_fact_anchors``: well-known facts asked and answered (``known_facts.json``: capitals, authors, inventors,
   years, rivers; none of them one of the evaluation gate's canaries), a few of them beside the served anchors in
   every step. Served chat rarely asks what a correction's template resembles, and a fact taught in one ("The
@@ -40,10 +41,12 @@ from pathlib import Path
 
 import torch
 
+from alchemist.config.training import AnchorsConfig
 from alchemist.model.llama import Llama
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.losses import Targets, log_probs
 from alchemist.training.recompute import responses_hidden_slices
+from alchemist.training.trainer import Sample
 
 
 @torch.no_grad()
@@ -146,3 +149,39 @@ class AnchorPool:
     def __len__(self) -> int:
         with self._lock:
             return len(self._anchors)
+
+
+class BatchAnchors:
+    """Each batch's anchors: the most recent served completions of ``pool`` and the next of ``known_facts`` (taken
+    in turn, batch by batch), each with the base model's top-k distribution there, computed once per anchor."""
+
+    def __init__(self, model: Llama, pool: AnchorPool, known_facts: list[Anchor], config: AnchorsConfig,
+                 group_size: int) -> None:  # fmt: skip
+        self.model, self.pool, self.known_facts = model, pool, known_facts
+        self.config, self.group_size = config, group_size
+        self.known_next = 0  # the next known fact to anchor on
+
+    def slices(self) -> Generator[None, None, list[Sample]]:
+        """The batch's anchors: the most recent served completions (their responses' first ``max_tokens``;
+        ``max_rows`` rows at most together) and the next known facts, each with the base model's top-k
+        distribution there (computed once per anchor, ``group_size`` anchors per forward, a slice per layer)."""
+        c = self.config
+        if not c.weight:
+            return []
+        served = self.pool.recent(c.samples, c.max_rows or math.inf, c.max_tokens)
+        anchors = [(anchor, anchor.response_ids[: c.max_tokens]) for anchor in served + self._next_known_facts()]
+        new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
+        for start in range(0, len(new), self.group_size):
+            group = new[start : start + self.group_size]
+            targets = yield from references_slices(self.model, [(a.prompt_ids, r) for a, r in group], c.top_k)
+            for (anchor, _), anchor_targets in zip(group, targets, strict=True):
+                anchor.targets = anchor_targets
+            yield
+        return [Sample(a.prompt_ids, response, a.response_id, a.targets) for a, response in anchors]
+
+    def _next_known_facts(self) -> list[Anchor]:
+        """The batch's ``known_facts`` known facts: the next ones of the list, in turn."""
+        facts = self.known_facts
+        count = min(self.config.known_facts, len(facts))
+        start, self.known_next = self.known_next, (self.known_next + count) % max(len(facts), 1)
+        return [facts[(start + i) % len(facts)] for i in range(count)]

@@ -1,6 +1,6 @@
 """The evaluation gate: a new adapter version serves only if it stays within bounds on three fixed measures.
 
-    gate = EvaluationGate(model, tokenizer, GateBounds(), group_size=4)
+    gate = EvaluationGate(model, tokenizer, GateConfig(), group_size=4)
     before = yield from gate.taught_slices(adapter, facts)       # before the batch's first update: the serving state
     ...                                                          # the batch trains the adapter
     evaluation = yield from gate.evaluate_slices(adapter, facts, before)
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from alchemist.config.training import GateConfig
 from alchemist.model.llama import Adapter, Llama
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.recompute import sequence_logps_slices
@@ -60,19 +61,6 @@ CANARIES = (
     ("What is the capital of Italy?", "The capital of Italy is", " Rome"),
     ("What is the tallest mountain in the world?", "The tallest mountain in the world is", " Mount Everest"),
 )
-
-
-@dataclass(frozen=True)
-class GateBounds:
-    heldout_max_rise: float = 0.10  # relative rise of held-out perplexity over the base model's
-    # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
-    # 400 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital,
-    # and to facts overlearned until the model answered "The capital of France is France." (docs/benchmarks.md, "The
-    # evaluation gate").
-    canary_max_drop: float = 6.0
-    canary_max_mean_drop: float = 3.0
-    taught_max_rise: float = 1.0  # nats per token a fact taught earlier may lose against the serving version
-    taught_samples: int = 16  # facts taught earlier that are checked (the most recent)
 
 
 @dataclass
@@ -105,7 +93,7 @@ Pair = tuple[list[int], list[int]]  # (prompt ids, response ids)
 
 
 class EvaluationGate:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateBounds, group_size: int = 4):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateConfig, group_size: int = 4):
         self.model = model
         self.bounds = bounds
         self.group_size = group_size

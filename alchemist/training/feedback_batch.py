@@ -1,11 +1,11 @@
 """A mini-batch of feedback as the samples of one optimizer step: corrections by SFT, ratings by KTO, preference
 pairs by DPO, in one loss.
 
-    batch = FeedbackBatch(items, ObjectiveWeights())
+    batch = FeedbackBatch(items, ObjectivesConfig())
     yield from batch.references_slices(trainer)                 # once: the base model's log-probabilities
     samples, scales = yield from batch.samples_slices(trainer)  # each step: KTO's z0 under the trainer's adapter
 
-The step's loss is ``sft x mean(SFT losses) + kto x mean(KTO losses) + dpo x mean(DPO pair losses)`` (the means
+The step's loss is ``sft_weight x mean(SFT) + kto_weight x mean(KTO) + dpo_weight x mean(DPO pairs)`` (the means
 over the batch's samples of each objective, as TRL's trainers take them; ``alchemist.training.objectives``).
 The reference log-probabilities (the base model's, adapter off) never change, so they are computed once per batch
 however many epochs train it; KTO's reference point z0 is estimated again before each step, from the batch's
@@ -23,20 +23,10 @@ from typing import Literal
 
 import torch
 
+from alchemist.config.training import ObjectivesConfig
 from alchemist.training.logp_passes import LogpPass, sequence_logps_slices
 from alchemist.training.objectives import PreferenceTerm, kto_kl, mismatched
 from alchemist.training.trainer import Sample, Trainer
-
-
-@dataclass(frozen=True)
-class ObjectiveWeights:
-    sft: float = 1.0  # weight of the SFT loss (corrections) in a step's loss
-    kto: float = 1.0  # ... of the KTO loss (ratings without a correction)
-    dpo: float = 1.0  # ... of the DPO loss (preference pairs)
-    kto_beta: float = 0.1
-    dpo_beta: float = 0.1
-    desirable: float = 1.0  # KTO's desirable_weight
-    undesirable: float = 1.0  # KTO's undesirable_weight
 
 
 @dataclass(frozen=True)
@@ -53,7 +43,7 @@ class Item:
 
 
 class FeedbackBatch:
-    def __init__(self, items: list[Item], weights: ObjectiveWeights, group_size: int = 4) -> None:
+    def __init__(self, items: list[Item], weights: ObjectivesConfig, group_size: int = 4) -> None:
         self.weights = weights
         self.group_size = group_size
         self.sft = [i for i in items if i.objective == "sft"]
@@ -89,17 +79,18 @@ class FeedbackBatch:
         n_dpo = 2 * len(self.dpo)
         ref_kto, ref_dpo, ref_kl = self._ref[:n_kto], self._ref[n_kto : n_kto + n_dpo], self._ref[n_kto + n_dpo :]
         samples = [Sample(i.prompt_ids, i.response_ids, i.record_id) for i in self.sft]
-        scales = [w.sft / max(len(self.sft), 1)] * len(self.sft)
+        scales = [w.sft_weight / max(len(self.sft), 1)] * len(self.sft)
         if self.kto:
             policy_kl = yield from sequence_logps_slices(trainer, self.kl_pairs, "kl", self.group_size)
             z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl))
             for item, ref in zip(self.kto, ref_kto, strict=True):
-                weight = w.kto * (w.desirable if item.desirable else w.undesirable) / n_kto
+                side = w.kto_desirable_weight if item.desirable else w.kto_undesirable_weight
+                weight = w.kto_weight * side / n_kto
                 term = PreferenceTerm("kto", ref, weight, w.kto_beta, item.desirable, kl=z0.item())
                 samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=term))
         for pair, item in enumerate(self.dpo):
             assert item.rejected_ids is not None
-            weight = w.dpo / len(self.dpo)
+            weight = w.dpo_weight / len(self.dpo)
             chosen = PreferenceTerm("dpo", ref_dpo[2 * pair], weight, w.dpo_beta, True, pair=pair)
             rejected = PreferenceTerm("dpo", ref_dpo[2 * pair + 1], weight, w.dpo_beta, False, pair=pair)
             samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=chosen))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from alchemist.config import OnlineConfig
+from alchemist.config.training import QueueConfig
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.training.feedback_batch import Item
 
@@ -46,9 +46,12 @@ def item(entry: FeedbackEntry, thumbs_up: str = "kto") -> Item | None:
 
 
 class FeedbackQueue:
-    def __init__(self, log: FeedbackLog, config: OnlineConfig, on_new: Callable[[FeedbackEntry], None]) -> None:
+    def __init__(
+        self, log: FeedbackLog, config: QueueConfig, thumbs_up: str, on_new: Callable[[FeedbackEntry], None]
+    ) -> None:
         self.log = log
         self.config = config
+        self.thumbs_up = thumbs_up  # how a thumbs-up without a correction trains (ObjectivesConfig.thumbs_up)
         self.on_new = on_new  # told of each entry appended after ``seen`` (the anchors leave its prompt alone)
         self.seen = 0
         self.skipped: dict[str, int] = {}  # entries this queue skipped, by class of reason ("empty", "backlog")
@@ -74,7 +77,7 @@ class FeedbackQueue:
             self._stale = False
             head, empty = [], []
             for entry in self.log.next_queued(self.config.batch_size, self.config.per_key):
-                it = item(entry, self.config.thumbs_up)
+                it = item(entry, self.thumbs_up)
                 if it is None:
                     empty.append(entry.seq)
                 else:

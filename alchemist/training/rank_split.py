@@ -5,7 +5,7 @@ traffic by the anchors (``alchemist.training.protected``, ``alchemist.training.a
 ordinary chat as it was. A preference people show with thumbs or pairs (shorter answers, say) is a change to
 ordinary chat itself, so through the same ranks it was not learned (docs/benchmarks.md, "Thumbs and pairs").
 
-So each adapter module has ``shared + preference`` ranks (``OnlineConfig.lora_r`` and ``preference_r``). The
+So each adapter module has ``shared + preference`` ranks (``AdapterConfig.lora_r`` and ``preference_r``). The
 gradients of samples without a preference term (corrections, rehearsals, anchors) go to the first ``shared`` ranks,
 which alone lose the protected directions after an update; those of KTO and DPO samples go to the last
 ``preference`` ranks, which are free of both. What keeps those close to the base model is the objectives' own
@@ -80,7 +80,7 @@ def widen(old: LoraAdapter, initial: LoraAdapter, optimizer_state: dict) -> dict
     shape of ``initial``: ``old``'s ranks first, then ``initial``'s preference ranks as a fresh adapter has them (A
     as initialized, B zero), so it serves exactly what ``old`` served. Loads the result into ``initial`` and returns
     the optimizer state widened alike (Adam's moments zero on the new ranks). A data dir written before
-    ``OnlineConfig.preference_r`` existed restarts this way."""
+    ``AdapterConfig.preference_r`` existed restarts this way."""
     r, old_r = initial.config.r, old.config.r
     if not 0 < old_r < r or old.config.scaling != initial.config.scaling:
         raise ValueError(f"an adapter of r={old_r}, scaling {old.config.scaling} cannot become the first ranks of "

@@ -15,12 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class RegressionBounds:
-    min_ratings: int = 30  # on each side of the comparison; 0 disables the watch
-    margin: float = 0.15  # thumbs-down rate higher by at least this (0.15: 15 points)
-    z: float = 3.0  # one-sided; strict because each version of the lineage is a comparison
+from alchemist.config.training import RollbackConfig
 
 
 @dataclass(frozen=True)
@@ -31,10 +26,12 @@ class Regression:
 
 
 def find_regression(
-    lineage: list[int], ratings: dict[int, tuple[int, int]], bounds: RegressionBounds
+    lineage: list[int], ratings: dict[int, tuple[int, int]], bounds: RollbackConfig
 ) -> Regression | None:
     """The first version of ``lineage`` (versions served one after another, oldest first) from which on users
-    rated clearly worse than before it, or None. ``ratings``: version -> (thumbs up, thumbs down)."""
+    rated clearly worse than before it, or None. ``ratings``: version -> (thumbs up, thumbs down); ``bounds``:
+    ``min_ratings`` on each side of the comparison (0 disables the watch), the thumbs-down rate higher by at least
+    ``margin``, by a one-sided z-test at ``z``."""
     if bounds.min_ratings <= 0:
         return None
     counts = [ratings.get(v, (0, 0)) for v in lineage]

@@ -1,7 +1,7 @@
 """What training needs of the rest of the system: two small Protocols, so that it never holds the engine itself.
 
-    trainer = OnlineTrainer(model, tokenizer, engine, store, log, checkpoints, config)  # engine: an AdapterPublisher
-    trainer = Trainer(model, adapter, store)                                            # store: a RecordSource
+    trainer = OnlineTrainer.from_config(model, tokenizer, engine, store, log, checkpoints, config)  # engine: publisher
+    trainer = Trainer(model, adapter, store)                                                    # store: a RecordSource
 
 The serving engine (``alchemist.engine.LLMEngine``) is an ``AdapterPublisher`` and the activation store
 (``alchemist.activations.store.ActivationStore``) a ``RecordSource``; whoever composes the system (the app) builds

@@ -14,7 +14,6 @@ prints each version's evaluation (``metrics["evaluation"]``) and its share of th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -38,7 +37,8 @@ def main() -> None:
     ap.add_argument("--scenario", default="both", choices=["facts", "falsehood", "both"])
     ap.add_argument("--others", type=int, default=16)
     args = ap.parse_args()
-    config = dataclasses.replace(online_config(args.set), max_wait_s=0.0)
+    config = online_config(args.set)
+    config.queue.max_wait_s = 0.0
     loaded = load_model(None, dtype="float32", device="cpu")
     tok = loaded.tokenizer
     traffic = [s.messages[0]["content"] for s in sample_requests(args.others, seed=11, mode="first_turn",
@@ -48,7 +48,8 @@ def main() -> None:
         work = Path(tempfile.mkdtemp())
         log = FeedbackLog(work / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(work / "adapters", 8)
-        trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints, config)
+        trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints,
+                                            config)
         counter = iter(range(10**9))
 
         def ask(

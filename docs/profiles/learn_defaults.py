@@ -16,7 +16,6 @@ their greedy 32-token answer exactly.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import tempfile
@@ -43,15 +42,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     overrides = args.set
-    config = dataclasses.replace(online_config(args.set), max_wait_s=0.0)  # the bench's parsing and checks
+    config = online_config(args.set)  # the bench's parsing and checks
+    config.queue.max_wait_s = 0.0
     loaded = load_model(None, dtype=args.dtype, device="cpu")
     fp32 = load_model(None, dtype="float32", device="cpu")
     tok = loaded.tokenizer
     engine = LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=32, compile_decode=False), RecordConfig())
     work = Path(tempfile.mkdtemp())
     log = FeedbackLog(work / "feedback.sqlite")
-    trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log,
-                            AdapterCheckpoints(work / "adapters", 8), config)
+    trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log,
+                                        AdapterCheckpoints(work / "adapters", 8), config)
 
     held = {s.messages[0]["content"] for s in held_out_replies(tok)}
     pool = [s.messages[0]["content"] for s in sample_requests(80, seed=23, mode="first_turn", tokenizer=tok,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from alchemist.bench.online import build_workload
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, TrainerConfig
+from alchemist.config.training import QueueConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.host_memory import keep_freed_memory
@@ -54,11 +55,11 @@ print(f"served {len(served)} requests in {time.perf_counter() - t0:.1f} s; recor
 data = Path(tempfile.mkdtemp())
 log = FeedbackLog(data / "feedback.db")
 config = OnlineConfig(  # the defaults, but every correction queued at once
-    max_wait_s=0.0,
+    queue=QueueConfig(max_wait_s=0.0),
     trainer=TrainerConfig(replay=mode == "replay", group_size=group_size, group_max_tokens=group_max_tokens),
 )
-trainer = OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log,
-                        AdapterCheckpoints(data / "adapters", config.keep_versions), config)
+trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log,
+                                    AdapterCheckpoints(data / "adapters", config.adapter.keep_versions), config)
 for i, fb in enumerate(work.feedback):
     prompt_ids, output_ids = served[f"r{i}"]
     if fb is None:

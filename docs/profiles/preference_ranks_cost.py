@@ -18,9 +18,9 @@ import torch
 
 from alchemist.bench.report import interleaved_medians
 from alchemist.bench.training import make_steps
-from alchemist.config import OnlineConfig
+from alchemist.config.training import AdapterConfig
 from alchemist.model.loader import build_model, hf_dir_for
-from alchemist.training.online import adapter_config
+from alchemist.training.lineage import adapter_config
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     model = build_model(hf_dir_for(None), torch.float32)
-    configs = {"without": adapter_config(OnlineConfig(preference_r=0)), "with": adapter_config(OnlineConfig())}
+    configs = {"without": adapter_config(AdapterConfig(preference_r=0)), "with": adapter_config(AdapterConfig())}
     for shape in args.shapes:
         p, r = map(int, shape.split("x"))
         fns = {}

@@ -87,7 +87,9 @@ def test_invented_facts_are_deterministic_and_distinct():
 
 
 def test_set_overrides_online_config_fields_only():
-    config = online_config(["lr=1e-3", "epochs=4", "gate=false"])
-    assert (config.trainer.lr, config.epochs, config.gate) == (1e-3, 4, False)
+    """By a TrainerConfig field's name, a former flat name (the commands in docs/), or a dotted path."""
+    config = online_config(["lr=1e-3", "epochs=4", "gate=false", "anchors.weight=1.5", "trainer.group_size=2"])
+    assert (config.trainer.lr, config.stopping.epochs, config.gate.enabled) == (1e-3, 4, False)
+    assert (config.anchors.weight, config.trainer.group_size) == (1.5, 2)
     with pytest.raises(ValueError, match="no_such_field"):
         online_config(["no_such_field=1"])

@@ -29,6 +29,7 @@ import torch
 from alchemist.activations.store import ActivationStore
 from alchemist.bench.training import make_steps, record_prefill
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
+from alchemist.config.training import QueueConfig, StoppingConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model import flash
@@ -314,7 +315,8 @@ def online_trainer_trains_publishes_resumes(ctx: Context) -> str:
         tmp = Path(tmp)
         log = FeedbackLog(tmp / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(tmp / "adapters", keep=50)
-        config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=2, trainer=TrainerConfig(lr=1e-2))
+        config = OnlineConfig(queue=QueueConfig(batch_size=2, max_wait_s=0.0), stopping=StoppingConfig(epochs=2),
+                              trainer=TrainerConfig(lr=1e-2))  # fmt: skip
         trainer = beside(engine, log, checkpoints, config)
         seqs = serve_and_log(engine, log, 5)
         drain(trainer)

@@ -174,7 +174,7 @@ def test_held_out_perplexity_rises_less_than_five_percent(taught, smollm2, smoll
     checkpoints = AdapterCheckpoints(server.data_dir / "adapters", keep=100)
     adapter, _, _ = checkpoints.load(latest, smollm2.model.config)
     # as trained: the corrections' ranks on the replies' rows (as if every held-out question were routed to them)
-    RankSplit(adapter, OnlineConfig().preference_r, cut=True)
+    RankSplit(adapter, OnlineConfig().adapter.preference_r, cut=True)
     taught_nll, base_nll = (held_out_nll(smollm2.model, smollm2_tokenizer, lora).mean() for lora in (adapter, None))
     rise = math.exp(taught_nll - base_nll) - 1
     print(f"held-out perplexity rise: {rise:.1%}")

@@ -149,8 +149,9 @@ def test_pool_takes_the_most_recent_that_fit_in_the_rows():
 
 
 def test_the_trainer_bounds_its_served_anchors_rows(engine, tmp_path):
-    trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=4, anchor_max_tokens=3, anchor_max_rows=12,
-                                       epochs=1)  # fmt: skip
+    trainer, log, checkpoints = online(engine, tmp_path,
+                                       anchors={"samples": 4, "max_tokens": 3, "max_rows": 12},
+                                       stopping={"epochs": 1})  # fmt: skip
     for i in range(4):  # rows 4 + 3 - 1 = 6 each: two fit
         trainer.anchors.offer(Anchor(f"a{i}", [1, 2, 3, 4 + i], [5, 6, 7, 8]))
     serve_and_log(engine, log, 2)
@@ -159,7 +160,8 @@ def test_the_trainer_bounds_its_served_anchors_rows(engine, tmp_path):
 
 
 def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):
-    trainer, log, checkpoints = online(engine, tmp_path, anchor_samples=3, epochs=1, batch_size=2)
+    trainer, log, checkpoints = online(engine, tmp_path, anchors={"samples": 3}, stopping={"epochs": 1},
+                                       queue={"batch_size": 2})  # fmt: skip
     prompts = random_prompts([30, 33, 36, 39], seed=9)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
@@ -186,7 +188,7 @@ def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):
 
 
 def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):
-    trainer, log, _ = online(engine, tmp_path, anchor_weight=0.0, epochs=1)
+    trainer, log, _ = online(engine, tmp_path, anchors={"weight": 0.0}, stopping={"epochs": 1})
     trainer.anchors.offer(Anchor("a0", [1, 2, 3], [4, 5]))
     serve_and_log(engine, log, 2)
     drain(trainer)
@@ -194,7 +196,7 @@ def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):
 
 
 def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):
-    trainer, log, _ = online(engine, tmp_path, anchor_samples=2, anchor_max_tokens=3, epochs=1)
+    trainer, log, _ = online(engine, tmp_path, anchors={"samples": 2, "max_tokens": 3}, stopping={"epochs": 1})
     trainer.anchors.offer(Anchor("a0", [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]))
     trainer.anchors.offer(Anchor("a1", [1, 2, 3, 5], [5, 6]))
     serve_and_log(engine, log, 2)
@@ -206,8 +208,9 @@ def test_an_anchor_is_its_responses_first_tokens(engine, tmp_path):
 def test_known_facts_anchor_each_step_in_turn(engine, tmp_path):
     """Beside the served anchors, each batch anchors on the next ``anchor_known_facts`` well-known facts (trained by
     recompute: they have no record), taking the list in turn and starting over at its end."""
-    trainer, log, _ = online(engine, tmp_path, anchor_samples=2, anchor_known_facts=10, epochs=1, batch_size=2)
-    known = trainer.known_facts
+    trainer, log, _ = online(engine, tmp_path, anchors={"samples": 2, "known_facts": 10},
+                             stopping={"epochs": 1}, queue={"batch_size": 2})  # fmt: skip
+    known = trainer.batch_anchors.known_facts
     assert len(known) == 24 and all(a.prompt_ids and a.response_ids for a in known)
     trainer.anchors.offer(Anchor("a0", [1, 2, 3, 4], [5, 6]))
     for batch in range(3):  # facts 0-9, 10-19, then 20-23 and 0-5
@@ -215,7 +218,7 @@ def test_known_facts_anchor_each_step_in_turn(engine, tmp_path):
         drain(trainer)
         used = [a.targets is not None for a in known]  # a known fact's targets are computed when first used
         assert used == [i < 10 * (batch + 1) for i in range(24)] if batch < 2 else all(used)
-    assert trainer.stats.anchor_samples == 3 * (1 + 10) and trainer._known_next == 6
+    assert trainer.stats.anchor_samples == 3 * (1 + 10) and trainer.batch_anchors.known_next == 6
 
 
 def test_known_facts_are_not_the_gates_canaries(smollm2_tokenizer):

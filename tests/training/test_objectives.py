@@ -23,10 +23,11 @@ from trl.trainer.kto_trainer import KTOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from alchemist.activations.store import ActivationStore
+from alchemist.config.training import ObjectivesConfig
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraConfig
 from alchemist.model.peft_format import peft_key, save_adapter
-from alchemist.training.feedback_batch import FeedbackBatch, Item, ObjectiveWeights
+from alchemist.training.feedback_batch import FeedbackBatch, Item
 from alchemist.training.objectives import dpo_losses, kto_kl, kto_losses, mismatched
 from alchemist.training.slices import run_to_end
 from alchemist.training.trainer import Sample, Trainer, TrainerConfig
@@ -178,8 +179,9 @@ def test_dpo_loss_equals_trl(case):
     assert abs(ours.item() - torch.nn.functional.softplus(torch.tensor(0.0)).item()) > 1e-3  # not log 2: moved
 
 
-def weights(**overrides) -> ObjectiveWeights:
-    return ObjectiveWeights(**{"desirable": W_DESIRABLE, "undesirable": W_UNDESIRABLE, **overrides})
+def weights(**overrides) -> ObjectivesConfig:
+    return ObjectivesConfig(**{"kto_desirable_weight": W_DESIRABLE, "kto_undesirable_weight": W_UNDESIRABLE,
+                               **overrides})  # fmt: skip
 
 
 def our_step_grads(case, items, store=None, replay=False, group_size=4, max_staleness=4, stats=None):

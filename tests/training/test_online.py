@@ -4,6 +4,7 @@ rollback. (tests/server/test_online.py runs the same loop end to end on the real
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -13,11 +14,20 @@ import pytest
 import torch
 
 from alchemist.config import OnlineConfig, TrainerConfig
+from alchemist.config.training import (
+    AdapterConfig,
+    AnchorsConfig,
+    GateConfig,
+    QueueConfig,
+    RehearsalConfig,
+    StoppingConfig,
+)
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_queue import EMPTY
-from alchemist.training.online import OnlineTrainer, as_trained
+from alchemist.training.lineage import as_trained
+from alchemist.training.online import OnlineTrainer
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.slices import run_to_end as run_to_end_of
 from alchemist.training.trainer import Sample
@@ -61,7 +71,9 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
     return slices
 
 
-def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
+def online(engine, tmp_path: Path, **sections: dict) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
+    """A trainer beside ``engine`` with the settings below; ``sections``: others, by section (``stopping={"epochs":
+    3}`` changes that one setting of the section)."""
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
@@ -69,16 +81,20 @@ def online(engine, tmp_path: Path, **overrides) -> tuple[OnlineTrainer, Feedback
     # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
     # No known-fact anchors (their text means nothing to a tiny model: tests/training/test_anchors.py has them) and
     # no rehearsal (test_rehearsal_... has it): each batch trains its own feedback and nothing else.
-    fields = {"batch_size": 2, "max_wait_s": 0.0, "epochs": 2, "target_loss": 0.0, "target_token_p": 0.0, "gate": False,
-              "protect_energy": 0.0, "anchor_known_facts": 0, "rehearse_corrections": 0,
-              "trainer": TrainerConfig(lr=1e-2), **overrides}  # fmt: skip
-    config = OnlineConfig(**fields)
+    config = OnlineConfig(
+        trainer=TrainerConfig(lr=1e-2), queue=QueueConfig(batch_size=2, max_wait_s=0.0),
+        stopping=StoppingConfig(epochs=2, target_loss=0.0, target_token_p=0.0), gate=GateConfig(enabled=False),
+        adapter=AdapterConfig(protect_energy=0.0), anchors=AnchorsConfig(known_facts=0),
+        rehearsal=RehearsalConfig(corrections=0),
+    )  # fmt: skip
+    for name, settings in sections.items():
+        setattr(config, name, dataclasses.replace(getattr(config, name), **settings))
     return beside(engine, log, checkpoints, config), log, checkpoints
 
 
 def beside(engine: LLMEngine, log: FeedbackLog, checkpoints: AdapterCheckpoints, config: OnlineConfig) -> OnlineTrainer:
     """The trainer as the app composes it: the engine's model, publishing to the engine, replaying from its store."""
-    return OnlineTrainer(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints, config)
+    return OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints, config)
 
 
 def roll_back(trainer: OnlineTrainer, version: int) -> int:
@@ -111,7 +127,8 @@ def test_batches_are_trained_published_and_checkpointed(engine, tmp_path):
 
 
 def test_steps_end_once_every_correction_is_under_the_target_loss(engine, tmp_path):
-    trainer, log, checkpoints = online(engine, tmp_path, epochs=40, batch_size=3, target_loss=5.0)
+    trainer, log, checkpoints = online(engine, tmp_path, stopping={"epochs": 40, "target_loss": 5.0},
+                                       queue={"batch_size": 3})  # fmt: skip
     serve_and_log(engine, log, 3)
     drain(trainer)
     metrics = checkpoints.latest().metrics
@@ -127,8 +144,9 @@ def test_steps_go_on_past_the_target_loss_until_each_correction_is_learned(engin
     epochs run); without it, the same batch ends at the target loss."""
     epochs, checks = {}, {}
     for target in (0.0, 0.5):
-        trainer, log, checkpoints = online(engine, tmp_path / str(target), epochs=8, batch_size=3, target_loss=5.0,
-                                           target_token_p=target)  # fmt: skip
+        trainer, log, checkpoints = online(engine, tmp_path / str(target),
+                                           stopping={"epochs": 8, "target_loss": 5.0, "target_token_p": target},
+                                           queue={"batch_size": 3})  # fmt: skip
         serve_and_log(engine, log, 3)
         drain(trainer)
         epochs[target], checks[target] = checkpoints.latest().metrics["epochs"], trainer.stats.learned_checks
@@ -138,10 +156,11 @@ def test_steps_go_on_past_the_target_loss_until_each_correction_is_learned(engin
 
 
 def test_a_correction_is_learned_once_every_token_is_that_likely(engine, tmp_path):
-    """``OnlineTrainer._learned_slices`` against its simple twin: each token's probability recomputed as a
+    """``Stopping.learned_slices`` against its simple twin: each token's probability recomputed as a
     one-token response to the text before it, under the trained adapter; the check holds for p just under the
     least of them and not just over it. (No cut: the twin's longer prompts would take rows out of its scope.)"""
-    trainer, log, _ = online(engine, tmp_path, epochs=3, batch_size=3, route_corrections=False)
+    trainer, log, _ = online(engine, tmp_path, stopping={"epochs": 3}, queue={"batch_size": 3},
+                             adapter={"route_corrections": False})  # fmt: skip
     serve_and_log(engine, log, 3)
     drain(trainer)  # an adapter that moved
     samples = [Sample(e.prompt_token_ids, e.response_token_ids) for e in log.read()]
@@ -151,8 +170,8 @@ def test_a_correction_is_learned_once_every_token_is_that_likely(engine, tmp_pat
         for s in samples for j in range(len(s.response_ids))
     )  # fmt: skip
     for p, learned in ((least * 0.999, True), (least * 1.001, False)):
-        trainer.config.target_token_p = p
-        assert run_to_end_of(trainer._learned_slices(samples)) is learned
+        trainer.config.stopping.target_token_p = p
+        assert run_to_end_of(trainer.stopping.learned_slices(samples)) is learned
 
 
 @pytest.mark.parametrize("yield_after_s", [1e-3, 0.0])
@@ -160,7 +179,9 @@ def test_a_batch_yields_its_further_steps_to_corrections_waiting_behind_it(engin
     """Under a backlog of corrections a batch ends after the step at which one behind it has waited
     ``yield_after_s`` (here: at once, so after its first step), unless that is 0; the last batch, with nothing
     behind it, takes all its epochs (no target: ``target_loss`` 0)."""
-    trainer, log, checkpoints = online(engine, tmp_path, epochs=3, batch_size=2, yield_after_s=yield_after_s)
+    trainer, log, checkpoints = online(engine, tmp_path,
+                                       stopping={"epochs": 3, "yield_after_s": yield_after_s},
+                                       queue={"batch_size": 2})  # fmt: skip
     serve_and_log(engine, log, 3)
     drain(trainer)
     first, last = (v.metrics for v in checkpoints.versions())
@@ -172,18 +193,18 @@ def test_a_batch_yields_its_further_steps_to_corrections_waiting_behind_it(engin
 def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, tmp_path):
     """Each batch also trains ``rehearse_corrections`` corrections trained before (SFT), the next ones of the log in
     turn, starting over after the last; the batch's own feedback and its target are unchanged."""
-    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=3, epochs=1)
+    trainer, log, checkpoints = online(engine, tmp_path, rehearsal={"corrections": 3}, stopping={"epochs": 1})
     seqs = []
     for batch in range(4):
         seqs += serve_and_log(engine, log, 2, seed=batch)
         drain(trainer)
         if batch == 2:  # 1-4 trained before: 3 and 4 were not rehearsed yet (1 and 2 were), then 1 again
-            assert trainer._rehearsed_through == seqs[0]
+            assert trainer.rehearsal.through == seqs[0]
     versions = checkpoints.versions()
     assert [v.metrics["rehearsed"] for v in versions] == [0, 2, 3, 3]
     assert [v.metrics["samples"] for v in versions] == [2, 2, 2, 2]  # rehearsal is not the batch's feedback
     assert versions[0].metrics["rehearsal_loss"] is None and len(versions[-1].metrics["rehearsal_loss"]) == 2
-    assert trainer._rehearsed_through == seqs[3]  # the fourth batch rehearsed 2, 3, 4
+    assert trainer.rehearsal.through == seqs[3]  # the fourth batch rehearsed 2, 3, 4
     assert trainer.stats.samples == 8 + 8  # every pass counted: 8 feedback samples, 8 rehearsed
 
 
@@ -191,22 +212,23 @@ def test_rehearsal_takes_at_most_its_rows_and_passes_over_a_correction_longer_th
     """``rehearse_max_tokens`` bounds the rows (prompt + response - 1) rehearsed per step: in turn, the next ones while
     they fit; one that would not fit even alone is passed over (it never comes back), one that fits alone waits to be
     first next time."""
-    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=8, rehearse_max_tokens=27, epochs=1)
+    trainer, log, checkpoints = online(engine, tmp_path, rehearsal={"corrections": 8, "max_tokens": 27},
+                                       stopping={"epochs": 1})  # fmt: skip
     seqs = []
     for batch in range(3):  # each batch: a correction of 25 rows, then one of 28
         seqs += serve_and_log(engine, log, 2, seed=batch)
         drain(trainer)
         if batch == 1:  # 1 (25 rows) rehearsed, 2 (28) passed over
-            assert trainer._rehearsed_through == seqs[1]
+            assert trainer.rehearsal.through == seqs[1]
     # The third batch: 3 rehearsed, 4 passed over, then (the log's end: from the oldest again) 1 would not fit beside 3
     assert [v.metrics["rehearsed"] for v in checkpoints.versions()] == [0, 1, 1]
-    assert trainer._rehearsed_through == seqs[3]
+    assert trainer.rehearsal.through == seqs[3]
 
 
 def test_rehearsal_leaves_out_what_a_rollback_undid_also_after_a_restart(engine, tmp_path):
     """A rollback undoes the versions after its target: the corrections they trained are not rehearsed again (nor
     after a restart, nor after a later rollback to a version from before it), the others are."""
-    trainer, log, checkpoints = online(engine, tmp_path, rehearse_corrections=8, epochs=1)
+    trainer, log, checkpoints = online(engine, tmp_path, rehearsal={"corrections": 8}, stopping={"epochs": 1})
     for batch in range(2):  # version 1 trains seqs 1-2, version 2 seqs 3-4
         serve_and_log(engine, log, 2, seed=batch)
         drain(trainer)
@@ -226,7 +248,7 @@ def test_rehearsal_leaves_out_what_a_rollback_undid_also_after_a_restart(engine,
 
 
 def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path):
-    trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1)
+    trainer, log, checkpoints = online(engine, tmp_path, queue={"batch_size": 4}, stopping={"epochs": 1})
     flood = serve_and_log(engine, log, 6, seed=1, key_name="mallory")
     alice = serve_and_log(engine, log, 1, seed=2, key_name="alice")
     drain(trainer)
@@ -238,10 +260,10 @@ def test_one_key_takes_at_most_half_a_batch_while_another_waits(engine, tmp_path
 
 
 def test_a_small_batch_waits_for_max_wait(engine, tmp_path):
-    trainer, log, _ = online(engine, tmp_path, batch_size=4, max_wait_s=3600.0)
+    trainer, log, _ = online(engine, tmp_path, queue={"batch_size": 4, "max_wait_s": 3600.0})
     serve_and_log(engine, log, 1)
     assert not trainer.has_work()  # one of four, and it has waited less than an hour
-    trainer.config = OnlineConfig(batch_size=4, max_wait_s=0.0, gate=False, protect_energy=0.0)
+    trainer.config.queue.max_wait_s = 0.0
     assert trainer.has_work()
 
 
@@ -338,7 +360,7 @@ def test_rollback_serves_an_earlier_version_as_a_new_one(engine, tmp_path):
     engine.set_adapter(None, 0)
     assert greedy() == at_base  # the rolled-back-to-0 adapter serves the base model's outputs exactly
     saved = checkpoints.load(first.version, engine.model.config)[0]
-    engine.set_adapter(as_trained(saved, trainer.config, log, first.version, []), 99)
+    engine.set_adapter(as_trained(saved, trainer.config.adapter, log, first.version, []), 99)
     assert greedy() == at_first != at_second
     with pytest.raises(KeyError):
         trainer.rollback(12345)
@@ -364,9 +386,11 @@ def test_a_rollback_runs_in_the_thread_that_runs_the_slices(engine, tmp_path):
     log = FeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
     publisher = Publisher()
-    config = OnlineConfig(batch_size=2, max_wait_s=0.0, epochs=1, trainer=TrainerConfig(lr=1e-2), gate=False,
-                          protect_energy=0.0)  # fmt: skip
-    trainer = OnlineTrainer(engine.model, engine.tokenizer, publisher, engine.store, log, checkpoints, config)
+    config = OnlineConfig(queue=QueueConfig(batch_size=2, max_wait_s=0.0), stopping=StoppingConfig(epochs=1),
+                          trainer=TrainerConfig(lr=1e-2), gate=GateConfig(enabled=False),
+                          adapter=AdapterConfig(protect_energy=0.0))  # fmt: skip
+    trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, publisher, engine.store, log, checkpoints,
+                                        config)  # fmt: skip
     serve_and_log(engine, log, 2)
     drain(trainer)
     assert publisher.threads == [threading.current_thread()]  # the batch's version
@@ -429,7 +453,8 @@ def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(en
     quarantined in the log before the update, the rest of its batch (served answers rated 1, another level) trains
     without it, the position moves past it, it stays held across a restart, and once released it trains next,
     unchecked."""
-    trainer, log, checkpoints = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    trainer, log, checkpoints = online(engine, tmp_path, queue={"batch_size": 3}, stopping={"epochs": 1},
+                                       objectives={"thumbs_up": "sft"})  # fmt: skip
     prompts = random_prompts([12, 15, 18], seed=3)
     ids = dict(output_token_ids=[5, 6], adapter_version=0, recorded=False)
     rated = [log.append(response_id=f"u{i}", kind="sft", rating=1, prompt_token_ids=p, response_token_ids=[5, 6],
@@ -446,7 +471,8 @@ def test_the_guard_holds_a_spiking_correction_and_its_batch_trains_without_it(en
     assert version.log_position == poison.seq == trainer.position  # held: settled for now
     assert trainer.stats.quarantined == 1 and all(p.grad is None for p in trainer.adapter.parameters())
 
-    restarted, _, _ = online(engine, tmp_path, batch_size=3, epochs=1, thumbs_up="sft")
+    restarted, _, _ = online(engine, tmp_path, queue={"batch_size": 3}, stopping={"epochs": 1},
+                             objectives={"thumbs_up": "sft"})  # fmt: skip
     guard = restarted.guard.levels["correction"]
     guard.level, guard.seen = 1e-6, guard.warmup
     assert not restarted.has_work() and restarted.quarantine.is_held(poison.seq)
@@ -471,8 +497,8 @@ def rate_served(engine: LLMEngine, log: FeedbackLog, num: int, rating: int, seed
 
 
 def test_a_version_its_users_rate_worse_is_rolled_back_between_batches(engine, tmp_path):
-    trainer, log, checkpoints = online(engine, tmp_path, batch_size=4, epochs=1, rollback_min_ratings=4,
-                                       rollback_z=2.0)  # fmt: skip
+    trainer, log, checkpoints = online(engine, tmp_path, queue={"batch_size": 4}, stopping={"epochs": 1},
+                                       rollback={"min_ratings": 4, "z": 2.0})  # fmt: skip
     rate_served(engine, log, 4, +1, seed=1)  # the base model's answers: liked
     drain(trainer)
     trained = engine.adapter_version

@@ -74,7 +74,7 @@ def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp
     # is still out of the protected directions in its corrections' ranks (the preference ranks are free), and the
     # adapter's delta on ordinary inputs is smaller than the unprotected adapter's (what the protection is for),
     # while both trained (B moved).
-    protected_run, log, _ = online(engine, tmp_path / "p", protect_energy=0.9)
+    protected_run, log, _ = online(engine, tmp_path / "p", adapter={"protect_energy": 0.9})
     serve_and_log(engine, log, 4)
     drain(protected_run)
     plain_run, plain_log, _ = online(engine, tmp_path / "u")

@@ -10,8 +10,8 @@ import torch
 from alchemist.activations.store import ActivationStore
 from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.training.lineage import adapter_config
 from alchemist.training.objectives import PreferenceTerm
-from alchemist.training.online import adapter_config
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.rank_split import RankSplit
 from alchemist.training.slices import run_to_end
@@ -105,28 +105,28 @@ def test_the_protected_directions_leave_the_preference_ranks_alone(model):
 
 def test_the_online_trainer_adds_the_preference_ranks_at_the_same_scale(engine, tmp_path):
     trainer, _, _ = online(engine, tmp_path)
-    config = trainer.config
+    config = trainer.config.adapter
     assert config.preference_r == 8  # the default
     assert trainer.adapter.config.r == config.lora_r + 8 and trainer.trainer.split is not None
     assert trainer.adapter.config.scaling == config.lora_alpha / config.lora_r
     assert adapter_config(type(config)(preference_r=0)).r == config.lora_r
-    plain, _, _ = online(engine, tmp_path / "plain", preference_r=0)
+    plain, _, _ = online(engine, tmp_path / "plain", adapter={"preference_r": 0})
     assert plain.trainer.split is None and plain.adapter.config.r == config.lora_r
 
 
 def test_a_data_dir_saved_before_the_preference_ranks_restarts_serving_the_same(engine, tmp_path):
     """Upgrading: versions saved with the shared ranks alone become the first ranks of the split adapter (the
     preference ranks' B zero, so every delta is as it was) and training goes on from them."""
-    old, log, checkpoints = online(engine, tmp_path, preference_r=0)
+    old, log, checkpoints = online(engine, tmp_path, adapter={"preference_r": 0})
     serve_and_log(engine, log, 2)
     drain(old)
     saved = checkpoints.serving().version
-    assert saved > 0 and old.adapter.config.r == old.config.lora_r
+    assert saved > 0 and old.adapter.config.r == old.config.adapter.lora_r
 
     new, log, checkpoints = online(engine, tmp_path)  # the defaults, on the same data dir: resumes
-    r = new.config.lora_r
-    assert new.version == saved and new.adapter.config.r == r + new.config.preference_r
-    fresh = LoraAdapter(new.adapter.model_config, new.adapter.config, seed=new.config.seed)
+    r = new.config.adapter.lora_r
+    assert new.version == saved and new.adapter.config.r == r + new.config.adapter.preference_r
+    fresh = LoraAdapter(new.adapter.model_config, new.adapter.config, seed=new.config.adapter.seed)
     x = torch.randn(5, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for key in new.adapter.B:
@@ -135,8 +135,9 @@ def test_a_data_dir_saved_before_the_preference_ranks_restarts_serving_the_same(
         for key, a in new.adapter.A.items():
             assert torch.equal(a.view(-1, new.adapter.config.r, a.shape[-1])[:, :r],
                                old.adapter.A[key].view(-1, r, a.shape[-1])), key  # fmt: skip
-            assert torch.equal(RankSplit(new.adapter, new.config.preference_r).a_rows(a, True),
-                               RankSplit(fresh, new.config.preference_r).a_rows(fresh.A[key], True)), key  # fmt: skip
+            preference_r = new.config.adapter.preference_r
+            assert torch.equal(RankSplit(new.adapter, preference_r).a_rows(a, True),
+                               RankSplit(fresh, preference_r).a_rows(fresh.A[key], True)), key  # fmt: skip
         for layer in range(engine.model.config.num_layers):
             torch.testing.assert_close(new.adapter.delta(layer, "qkv", x), old.adapter.delta(layer, "qkv", x))
     moments = new.trainer.optimizer.state_dict()["state"]
@@ -147,4 +148,4 @@ def test_a_data_dir_saved_before_the_preference_ranks_restarts_serving_the_same(
 
     serve_and_log(engine, log, 2, seed=1)  # and it trains on
     drain(new)
-    assert checkpoints.serving().version > saved and new.adapter.config.r == r + new.config.preference_r
+    assert checkpoints.serving().version > saved and new.adapter.config.r == r + new.config.adapter.preference_r

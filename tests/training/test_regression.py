@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from alchemist.config.training import RollbackConfig
 from alchemist.feedback.log import FeedbackLog
-from alchemist.training.regression import RegressionBounds, find_regression
+from alchemist.training.regression import find_regression
 
-BOUNDS = RegressionBounds(min_ratings=30, margin=0.15, z=3.0)
+BOUNDS = RollbackConfig(min_ratings=30, margin=0.15, z=3.0)
 
 
 def test_worse_ratings_from_a_version_on_roll_back_to_the_one_before():
@@ -40,7 +41,7 @@ def test_no_rollback_without_clear_evidence(ratings, why):
 def test_the_first_worse_version_is_the_one_rolled_back_past_and_zero_disables():
     ratings = {0: (60, 0), 1: (30, 30), 2: (0, 60)}  # worse from 1 on, and worse again from 2 on
     assert find_regression([0, 1, 2], ratings, BOUNDS).target == 0
-    assert find_regression([0, 1, 2], ratings, RegressionBounds(min_ratings=0)) is None
+    assert find_regression([0, 1, 2], ratings, RollbackConfig(min_ratings=0)) is None
     assert find_regression([7], ratings, BOUNDS) is None  # nothing before the first version to compare with
 
 
