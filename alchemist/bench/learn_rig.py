@@ -8,7 +8,7 @@
     report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
 
 The parts are the ones `alchemist serve` builds: the model in the serve dtype, an ``LLMEngine`` with the default
-record policy (a request that asks is recorded), the SQLite ``FeedbackLog``, ``AdapterCheckpoints`` and the
+record policy (a request that asks is recorded), the ``SQLiteFeedbackLog``, ``AdapterCheckpoints`` and the
 ``OnlineTrainer`` with the given ``OnlineConfig``. Two differences, both for time only: decoding is eager (no
 compile warm-up), and a batch trains as soon as the queue has one (``max_wait_s`` 0: nobody else's feedback is
 coming, and the server would wait for it in vain).
@@ -25,7 +25,7 @@ from pathlib import Path
 from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.model.loader import LoadedModel, load_model
 from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints
@@ -68,7 +68,7 @@ class LearnRig:
         self.engine = LLMEngine(self.loaded.model, self.tokenizer, EngineConfig(compile_decode=False), records,
                                 self.store)  # fmt: skip
         workdir.mkdir(parents=True, exist_ok=True)
-        self.log = FeedbackLog(workdir / "feedback.sqlite")
+        self.log = SQLiteFeedbackLog(workdir / "feedback.sqlite")
         self.checkpoints = AdapterCheckpoints(workdir / "adapters", self.config.keep_versions)
         self.trainer = OnlineTrainer(self.loaded.model, self.tokenizer, self.engine, self.store, self.log,
                                      self.checkpoints, self.config)  # fmt: skip

@@ -27,7 +27,7 @@ from alchemist.activations.record import record_bytes_per_token
 from alchemist.activations.store import ActivationStore
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.host_memory import allocator_in_use
 from alchemist.model.loader import load_model
 from alchemist.server.adapters import AdapterService
@@ -220,7 +220,7 @@ def app_for_engine(
     online_config = online_config or OnlineConfig()
     store = store if store is not None else engine.store
     metrics = ServerMetrics(engine.stats)
-    feedback_log = FeedbackLog(server_config.feedback_db_path)
+    feedback_log = SQLiteFeedbackLog(server_config.feedback_db_path)
     feedback_log.add_listener(metrics.observe_feedback)
     metrics.watch_feedback(feedback_log)
     trainer = None

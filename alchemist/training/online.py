@@ -63,9 +63,10 @@ from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.rank_split import RankSplit, widen
 from alchemist.training.recompute import response_values_slices
-from alchemist.training.regression import RegressionBounds, find_regression
+from alchemist.training.regression import RegressionBounds, find_regression, ratings_by_version
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.slices import run_to_end
+from alchemist.training.taught import taught_corrections
 from alchemist.training.trainer import Sample, StepResult, Trainer
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def taught_prompts(log: FeedbackLog, version: int, undone: list[list[int]]) -> l
     """The prompts of the corrections adapter ``version``'s weights hold (trained by it or an earlier version, none
     undone by a rollback: ``undone``, its checkpoint's): the requests like them are served the corrections' ranks
     (alchemist.engine.router). From the log, so a restart or a rollback knows them."""
-    entries = log.trained_corrections_after(0, 1 << 62, undone)
+    entries = taught_corrections(log, 1 << 62, undone)
     return [e.prompt_token_ids for e in entries if e.trained_version is not None and e.trained_version <= version]
 
 
@@ -345,8 +346,8 @@ class OnlineTrainer:
         if self.gate is None:
             return [], []
         self._gate_s = self.gate.seconds
-        facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
-            self.gate.bounds.taught_samples, self._undone)]  # fmt: skip
+        facts = [(e.prompt_token_ids, e.response_token_ids) for e in taught_corrections(
+            self.log, self.gate.bounds.taught_samples, self._undone, newest_first=True)]  # fmt: skip
         taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         return facts, taught_before
 
@@ -499,10 +500,10 @@ class OnlineTrainer:
         count, budget = self.config.rehearse_corrections, self.config.rehearse_max_tokens or math.inf
         if not count:
             return []
-        entries = self.log.trained_corrections_after(self._rehearsed_through, count, self._undone)
+        entries = taught_corrections(self.log, count, self._undone, self._rehearsed_through)
         if len(entries) < count:  # the end of the log: start over from the oldest (never one twice in a batch)
             seen = {e.seq for e in entries}
-            again = self.log.trained_corrections_after(0, count - len(entries), self._undone)
+            again = taught_corrections(self.log, count - len(entries), self._undone)
             entries += [e for e in again if e.seq not in seen]
         taken, rows = [], 0
         for entry in entries:
@@ -581,7 +582,7 @@ class OnlineTrainer:
         if self.regression.min_ratings <= 0:
             return
         per_key = max(1, math.ceil(self.config.key_share * self.regression.min_ratings))
-        found = find_regression(self._lineage(), self.log.ratings_by_version(per_key), self.regression)
+        found = find_regression(self._lineage(), ratings_by_version(self.log.ratings(), per_key), self.regression)
         if found is None or not self._kept(found.target):
             return
         version = self._serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})
