@@ -108,7 +108,9 @@ class FeedbackLog(Protocol):
         the HTTP response waits for it). Duplicates do not call it; a failing callback does not fail the append."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Lets go of the storage (what was acknowledged is there already); the log is not used after."""
+        ...
 
     # Lookups.
     def get(self, seq: int) -> FeedbackEntry | None:
