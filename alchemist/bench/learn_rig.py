@@ -9,7 +9,7 @@
 
 The parts are the ones `alchemist serve` builds: the model in the serve dtype, an ``LLMEngine`` with the default
 record policy (a request that asks is recorded), and what ``alchemist.runtime.build_around`` makes around it: the
-SQLite ``FeedbackLog``, ``AdapterCheckpoints`` and the ``OnlineTrainer`` with the given ``OnlineConfig``. Two
+``SQLiteFeedbackLog``, ``AdapterCheckpoints`` and the ``OnlineTrainer`` with the given ``OnlineConfig``. Two
 differences, both for time only: decoding is eager (no compile warm-up), and a batch trains as soon as the queue has
 one (``max_wait_s`` 0: nobody else's feedback is coming, and the server would wait for it in vain).
 """

@@ -1,4 +1,5 @@
-"""The feedback log's table, and the migration that brings a file written by an older version up to it.
+"""The SQLite feedback log's table (``alchemist.feedback.sqlite_log``), and the migration that brings a file
+written by an older version up to it.
 
 The log is durable state: a file from any earlier version must open. ``PRAGMA user_version`` says which schema a
 file has; ``migrate`` adds what is missing, in one transaction, and sets it. Columns are only ever added (SQLite's
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import sqlite3
 
+from alchemist.feedback.log import STATES
+
 VERSION = 4
-STATES = ("queued", "trained", "skipped", "quarantined")
 
 TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (

@@ -90,7 +90,7 @@ class FeedbackService:
         if p.SERVER_FEEDBACK_ID.fullmatch(feedback_id):
             entry = self.log.get(int(feedback_id[3:]))
         else:
-            entry = self.log.find_feedback_id(feedback_id)
+            entry = self.log.find(feedback_id=feedback_id)
         if entry is None:
             raise FeedbackNotFoundError(feedback_id)
         check_owner(self.registry, owner, entry.response_id)
@@ -104,7 +104,7 @@ class FeedbackService:
             raise InvalidRequestError(f"after must be a feedback id fb-<seq> (got {after!r})", "after")
         if not 1 <= limit <= MAX_LIST:
             raise InvalidRequestError(f"limit must be in 1..{MAX_LIST} (got {limit})", "limit")
-        entries = self.log.entries(state, int(after[3:]) if after else 0, limit + 1)
+        entries = self.log.read(int(after[3:]) if after else 0, limit + 1, state)
         backlog = {kind: p.BacklogClass(count=n, oldest_created_at=None if oldest is None else int(oldest))
                    for kind, (n, oldest) in self.log.backlog().items()}  # fmt: skip
         return p.FeedbackList(data=[_info(e) for e in entries[:limit]], has_more=len(entries) > limit, backlog=backlog)

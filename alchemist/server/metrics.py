@@ -182,7 +182,7 @@ class _FeedbackStateCollector(Collector):
         yield count
         yield age
         states = GaugeMetricFamily(PREFIX + "feedback_entries", "Feedback log entries by state.", labels=["state"])
-        for state, n in self.log.state_counts().items():
+        for state, n in self.log.counts("state").items():
             states.add_metric([state], n)
         yield states
 

@@ -37,9 +37,10 @@ from alchemist.training.evaluation import Evaluation
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.quarantine import Quarantine
 from alchemist.training.rank_split import RankSplit, widen
-from alchemist.training.regression import find_regression
+from alchemist.training.regression import find_regression, ratings_by_version
 from alchemist.training.seams import AdapterPublisher
 from alchemist.training.slices import run_to_end
+from alchemist.training.taught import taught_corrections
 from alchemist.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def taught_prompts(log: FeedbackLog, version: int, undone: list[list[int]]) -> l
     """The prompts of the corrections adapter ``version``'s weights hold (trained by it or an earlier version, none
     undone by a rollback: ``undone``, its checkpoint's): the requests like them are served the corrections' ranks
     (alchemist.engine.router). From the log, so a restart or a rollback knows them."""
-    entries = log.trained_corrections_after(0, 1 << 62, undone)
+    entries = taught_corrections(log, 1 << 62, undone)
     return [e.prompt_token_ids for e in entries if e.trained_version is not None and e.trained_version <= version]
 
 
@@ -280,7 +281,7 @@ class Lineage:
         if self.watch.min_ratings <= 0:
             return
         per_key = max(1, math.ceil(self.key_share * self.watch.min_ratings))
-        found = find_regression(self._served_in_turn(), self.log.ratings_by_version(per_key), self.watch)
+        found = find_regression(self._served_in_turn(), ratings_by_version(self.log.ratings(), per_key), self.watch)
         if found is None or not self.kept(found.target):
             return
         version = self._serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})

@@ -66,6 +66,7 @@ from alchemist.training.rank_split import RankSplit
 from alchemist.training.rehearsal import Rehearsal
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.stopping import Stopping
+from alchemist.training.taught import taught_corrections
 from alchemist.training.trainer import Sample, StepResult, Trainer
 
 logger = logging.getLogger(__name__)
@@ -271,8 +272,8 @@ class OnlineTrainer:
         if self.gate is None:
             return [], []
         self._gate_s = self.gate.seconds
-        facts = [(e.prompt_token_ids, e.response_token_ids) for e in self.log.trained_corrections(
-            self.gate.bounds.taught_samples, self.lineage.undone)]  # fmt: skip
+        facts = [(e.prompt_token_ids, e.response_token_ids) for e in taught_corrections(
+            self.log, self.gate.bounds.taught_samples, self.lineage.undone, newest_first=True)]  # fmt: skip
         taught_before = yield from self.gate.taught_slices(self.adapter, facts)
         return facts, taught_before
 

@@ -7,7 +7,8 @@ gathers many ratings: the watch compares, for each version ``v`` served since th
 ``v`` and everything after it against those of the versions before it. Where the later ones' thumbs-down rate is
 higher by at least ``margin`` and by a one-sided two-proportion z-test at ``z`` (both sides holding at least
 ``min_ratings``), serving goes back to the version just before ``v``; the first such ``v`` is taken, so the rollback
-goes back as far as the evidence says.
+goes back as far as the evidence says. One named API key counts for at most ``per_key`` of a version's ratings
+(``ratings_by_version``), so that one user cannot decide alone how a version is judged.
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def find_regression(
             )
             return Regression(since=lineage[i], target=lineage[i - 1], reason=reason)
     return None
+
+
+def ratings_by_version(
+    ratings: dict[tuple[int, str | None], tuple[int, int]], per_key: int | None = None
+) -> dict[int, tuple[int, int]]:
+    """(thumbs up, thumbs down) the responses of each adapter version earned, from the log's ``ratings()`` (per
+    version and key). One named key counts for at most ``per_key`` of a version's ratings (its own split kept);
+    entries without a key (a server without keys is loopback-only) count in full."""
+    totals: dict[int, tuple[int, int]] = {}
+    for (version, key), (up, down) in ratings.items():
+        if key is not None and per_key is not None and up + down > per_key:
+            up = round(up * per_key / (up + down))
+            up, down = up, per_key - up
+        before = totals.get(version, (0, 0))
+        totals[version] = (before[0] + up, before[1] + down)
+    return totals
 
 
 def _z(down0: int, n0: int, down1: int, n1: int) -> float:

@@ -16,6 +16,7 @@ import math
 
 from alchemist.config.training import RehearsalConfig
 from alchemist.feedback.log import FeedbackLog
+from alchemist.training.taught import taught_corrections
 from alchemist.training.trainer import Sample
 
 
@@ -31,10 +32,10 @@ class Rehearsal:
         count, budget = self.config.corrections, self.config.max_tokens or math.inf
         if not count:
             return []
-        entries = self.log.trained_corrections_after(self.through, count, undone)
+        entries = taught_corrections(self.log, count, undone, self.through)
         if len(entries) < count:  # the end of the log: start over from the oldest (never one twice in a batch)
             seen = {e.seq for e in entries}
-            again = self.log.trained_corrections_after(0, count - len(entries), undone)
+            again = taught_corrections(self.log, count - len(entries), undone)
             entries += [e for e in again if e.seq not in seen]
         taken, rows = [], 0
         for entry in entries:

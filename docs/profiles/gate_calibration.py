@@ -22,7 +22,7 @@ from alchemist.bench.learn import online_config
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.config import EngineConfig, RecordConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.model.loader import load_model
 from alchemist.training.anchors import Anchor
 from alchemist.training.checkpoint import AdapterCheckpoints
@@ -46,7 +46,7 @@ def main() -> None:
     for scenario in ("facts", "falsehood") if args.scenario == "both" else (args.scenario,):
         engine = LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=32, compile_decode=False), RecordConfig())
         work = Path(tempfile.mkdtemp())
-        log = FeedbackLog(work / "feedback.sqlite")
+        log = SQLiteFeedbackLog(work / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(work / "adapters", 8)
         trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints,
                                             config)

@@ -23,7 +23,7 @@ from alchemist.bench.online import build_workload
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig, TrainerConfig
 from alchemist.config.training import QueueConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.host_memory import keep_freed_memory
 from alchemist.model.loader import load_model
 from alchemist.training.anchors import Anchor
@@ -53,7 +53,7 @@ recorded = sum(rid in engine.store for rid in served)
 print(f"served {len(served)} requests in {time.perf_counter() - t0:.1f} s; records: {recorded}", flush=True)
 
 data = Path(tempfile.mkdtemp())
-log = FeedbackLog(data / "feedback.db")
+log = SQLiteFeedbackLog(data / "feedback.db")
 config = OnlineConfig(  # the defaults, but every correction queued at once
     queue=QueueConfig(max_wait_s=0.0),
     trainer=TrainerConfig(replay=mode == "replay", group_size=group_size, group_max_tokens=group_max_tokens),

@@ -31,7 +31,7 @@ from alchemist.bench.training import make_steps, record_prefill
 from alchemist.config import EngineConfig, OnlineConfig, RecordConfig
 from alchemist.config.training import QueueConfig, StoppingConfig
 from alchemist.engine import LLMEngine, SamplingParams
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.model import flash
 from alchemist.model.attention import bottom_right_causal_mask
 from alchemist.model.loader import build_model
@@ -313,7 +313,7 @@ def online_trainer_trains_publishes_resumes(ctx: Context) -> str:
     engine = _engine(model, policy="all")
     with tempfile.TemporaryDirectory(dir=ctx.root) as tmp:
         tmp = Path(tmp)
-        log = FeedbackLog(tmp / "feedback.sqlite")
+        log = SQLiteFeedbackLog(tmp / "feedback.sqlite")
         checkpoints = AdapterCheckpoints(tmp / "adapters", keep=50)
         config = OnlineConfig(queue=QueueConfig(batch_size=2, max_wait_s=0.0), stopping=StoppingConfig(epochs=2),
                               trainer=TrainerConfig(lr=1e-2))  # fmt: skip

@@ -1,23 +1,46 @@
-"""The feedback log on real SQLite files: durable appends (across processes, through SIGKILL), idempotency,
-reads by position, counts and listeners."""
+"""The feedback log's contract (``alchemist.feedback.log.FeedbackLog``), run against every implementation: durable
+appends (across processes, through SIGKILL), idempotency, reads by position, states, the trainer's queue, counts and
+listeners. A second implementation runs all of it by adding itself to ``BACKENDS``. What only SQLite has (its WAL
+mode, its schema migrations): tests/feedback/test_sqlite_log.py; the trainer's policy over what the log returns:
+tests/training/test_taught.py and test_regression.py."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
-from alchemist.feedback.schema import VERSION
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How to open one implementation's log on the same storage, in this process and in a fresh one."""
+
+    open: Callable[[], FeedbackLog]
+    source: str  # Python that binds ``log`` to the log, for a child process
+
+
+def sqlite_backend(tmp_path: Path) -> Backend:
+    path = tmp_path / "data" / "feedback.sqlite"  # the directory does not exist yet
+    source = f"from alchemist.feedback.sqlite_log import SQLiteFeedbackLog\nlog = SQLiteFeedbackLog({str(path)!r})\n"
+    return Backend(lambda: SQLiteFeedbackLog(path), source)
+
+
+BACKENDS = {"sqlite": sqlite_backend}
+IMPLEMENTATIONS = [SQLiteFeedbackLog]
 
 
 def submission(response_id: str = "chatcmpl-1", **overrides) -> dict:
@@ -34,25 +57,39 @@ def submission(response_id: str = "chatcmpl-1", **overrides) -> dict:
     return fields | overrides
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
+def run_python(backend: Backend, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, after the backend has bound ``log``."""
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
-    )
+        [sys.executable, "-c", backend.source + textwrap.dedent(code)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request, tmp_path: Path) -> Backend:
+    return BACKENDS[request.param](tmp_path)
 
 
 @pytest.fixture
-def log(tmp_path: Path):
-    log = FeedbackLog(tmp_path / "data" / "feedback.sqlite")  # the directory does not exist yet
+def log(backend: Backend):
+    log = backend.open()
     yield log
     log.close()
 
 
-def test_wal_mode_and_full_sync(log: FeedbackLog):
-    log.append(**submission())
-    assert log.path.with_name(log.path.name + "-wal").exists()
-    with sqlite3.connect(log.path) as other:  # WAL is a property of the file, seen by every connection
-        assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert log._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL: fsync on every commit
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=lambda cls: cls.__name__)
+def test_an_implementation_has_every_method_of_the_protocol_with_its_signature(implementation: type):
+    """The Protocol is the one place callers learn the log from: an implementation may not drift from it."""
+    methods = [name for name, member in vars(FeedbackLog).items() if inspect.isfunction(member)
+               and not name.startswith("_")]  # fmt: skip
+    assert len(methods) == 21
+    for name in methods:
+        promised = inspect.signature(getattr(FeedbackLog, name))
+        assert str(inspect.signature(getattr(implementation, name))) == str(promised), name
+
+
+def test_the_log_under_test_is_a_feedback_log(log: FeedbackLog):
+    assert isinstance(log, FeedbackLog)
 
 
 def test_append_then_read_back(log: FeedbackLog):
@@ -100,13 +137,18 @@ def test_the_same_submission_is_written_once(log: FeedbackLog):
     assert log.find(first.idempotency_key) == first and log.find("nope") is None
 
 
-def test_counts_by_kind(log: FeedbackLog):
-    assert log.counts() == {"sft": 0, "negative": 0, "preference": 0}
+def test_counts_by_kind_and_by_state(log: FeedbackLog):
+    assert log.counts("kind") == {"sft": 0, "negative": 0, "preference": 0}
+    assert log.counts("state") == {"queued": 0, "trained": 0, "skipped": 0, "quarantined": 0}
     log.append(**submission("a"))
     log.append(**submission("b", correction="x"))
     log.append(**submission("c", kind="negative", rating=-1))
     log.append(**submission("c", kind="negative", rating=-1))  # a repeat
-    assert log.counts() == {"sft": 2, "negative": 1, "preference": 0}
+    assert log.counts("kind") == {"sft": 2, "negative": 1, "preference": 0}
+    log.mark_skipped([1], "why")
+    assert log.counts("state") == {"queued": 2, "trained": 0, "skipped": 1, "quarantined": 0}
+    with pytest.raises(ValueError, match="kind"):
+        log.counts("rating")
 
 
 def test_listeners_hear_each_new_entry_once(log: FeedbackLog):
@@ -148,12 +190,10 @@ def test_concurrent_appends_get_distinct_consecutive_seqs(log: FeedbackLog):
     assert [e.seq for e in log.read(limit=1000)] == list(range(1, 81))
 
 
-def test_a_fresh_process_reads_what_another_wrote(log: FeedbackLog):
+def test_a_fresh_process_reads_what_another_wrote(backend: Backend, log: FeedbackLog):
     entry, _ = log.append(**submission(correction="Fixed."))
-    result = run_python(f"""
+    result = run_python(backend, """
         import json
-        from alchemist.feedback.log import FeedbackLog
-        log = FeedbackLog({str(log.path)!r})
         print(json.dumps([e.__dict__ for e in log.read()]))
         log.append(response_id="from-child", kind="negative", rating=-1, prompt_token_ids=[1],
                    response_token_ids=[2], output_token_ids=[2], adapter_version=0, recorded=False)
@@ -163,12 +203,9 @@ def test_a_fresh_process_reads_what_another_wrote(log: FeedbackLog):
     assert [e.response_id for e in log.read()] == ["chatcmpl-1", "from-child"]  # and the other way round
 
 
-def test_an_append_survives_sigkill_right_after_it_returns(tmp_path: Path):
-    path = tmp_path / "feedback.sqlite"
-    result = run_python(f"""
+def test_an_append_survives_sigkill_right_after_it_returns(backend: Backend):
+    result = run_python(backend, """
         import os, signal
-        from alchemist.feedback.log import FeedbackLog
-        log = FeedbackLog({str(path)!r})
         entry, created = log.append(response_id="killed", kind="sft", rating=1, prompt_token_ids=[1, 2],
                                     response_token_ids=[3, 2], output_token_ids=[3, 2], adapter_version=1,
                                     recorded=True)
@@ -176,7 +213,7 @@ def test_an_append_survives_sigkill_right_after_it_returns(tmp_path: Path):
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint, no atexit
     """)
     assert result.returncode == -signal.SIGKILL, result.stderr
-    log = FeedbackLog(path)
+    log = backend.open()
     try:
         [entry] = log.read()
         assert (entry.seq, entry.response_id, entry.response_token_ids) == (1, "killed", [3, 2])
@@ -189,7 +226,9 @@ def test_comment_metadata_and_a_client_id_are_kept(log: FeedbackLog):
     entry, created = log.append(**submission(comment="Too long.", metadata=meta, feedback_id="client-7"))
     assert created and (entry.comment, entry.metadata, entry.feedback_id) == ("Too long.", meta, "client-7")
     assert log.read() == [entry] and log.get(entry.seq) == entry and log.get(99) is None
-    assert log.find_feedback_id("client-7") == entry and log.find_feedback_id("client-8") is None
+    assert log.find(feedback_id="client-7") == entry and log.find(feedback_id="client-8") is None
+    with pytest.raises(ValueError, match="one of the two"):
+        log.find(entry.idempotency_key, feedback_id="client-7")
     # The client's id is the key: a retry under it finds the entry, whatever else the log would hash.
     again, created_again = log.append(**submission(comment="Too long.", metadata=meta, feedback_id="client-7"))
     assert not created_again and again == entry
@@ -215,19 +254,41 @@ def test_states_settle_once_with_their_version_or_reason(log: FeedbackLog):
     assert log.queued_seqs() == [(seqs[3], "sft")] and log.queued_seqs(through_seq=seqs[2]) == []
 
 
-def test_trained_corrections_leave_out_what_a_rollback_undid(log: FeedbackLog):
-    """Both reads of taught corrections (the gate's, newest first; rehearsal's, oldest first after a seq) skip the
-    entries trained by a version in an undone range (lo, hi]; ratings are never among them."""
+def test_trained_corrections_in_a_window_either_way_with_their_versions(log: FeedbackLog):
+    """The taught facts: trained corrections only (never a rating, nor one still queued), with the version that
+    trained each (what a rollback's undone ranges are judged by, alchemist.training.taught)."""
     seqs = [log.append(**submission(f"r{i}", correction=f"Fact {i}."))[0].seq for i in range(5)]
     rating = log.append(**submission("thumb"))[0].seq
+    log.append(**submission("queued", correction="Not yet."))
     for version, seq in enumerate(seqs, start=1):
         log.mark_trained([seq], version)
     log.mark_trained([rating], 5)
-    assert [e.seq for e in log.trained_corrections(10)] == seqs[::-1]
-    assert [e.seq for e in log.trained_corrections(10, [[1, 3]])] == [seqs[4], seqs[3], seqs[0]]
-    assert [e.seq for e in log.trained_corrections(2, [[1, 3], [3, 5]])] == [seqs[0]]
-    assert [e.seq for e in log.trained_corrections_after(seqs[0], 10, [[1, 3]])] == seqs[3:]
-    assert log.trained_corrections(10, [[0, 5]]) == []
+    assert [e.seq for e in log.trained_corrections(10)] == seqs
+    assert [e.trained_version for e in log.trained_corrections(10)] == [1, 2, 3, 4, 5]
+    assert [e.seq for e in log.trained_corrections(10, newest_first=True)] == seqs[::-1]
+    assert [e.seq for e in log.trained_corrections(2, newest_first=True)] == seqs[:2:-1]
+    assert [e.seq for e in log.trained_corrections(2, after_seq=seqs[0])] == seqs[1:3]
+    assert [e.seq for e in log.trained_corrections(10, before_seq=seqs[3], newest_first=True)] == seqs[2::-1]
+    assert [e.seq for e in log.trained_corrections(10, seqs[0], seqs[3])] == seqs[1:3]
+    assert log.trained_corrections(10, after_seq=seqs[-1]) == []
+
+
+def test_ratings_per_version_and_key(log: FeedbackLog):
+    log.append(**submission("a", key_name="alice"))
+    log.append(**submission("b", kind="negative", rating=-1, key_name="alice"))
+    log.append(**submission("c", kind="negative", rating=-1, adapter_version=4))
+    log.append(**submission("d", rating=None, correction="Fixed.", key_name="alice"))  # no rating: not counted
+    assert log.ratings() == {(3, "alice"): (1, 1), (4, None): (0, 1)}
+
+
+def test_reads_by_state(log: FeedbackLog):
+    seqs = [log.append(**submission(f"r{i}"))[0].seq for i in range(4)]
+    log.mark_trained(seqs[1:3], 2)
+    assert [e.seq for e in log.read(state="trained")] == seqs[1:3]
+    assert [e.seq for e in log.read(after_seq=seqs[1], limit=1, state="trained")] == [seqs[2]]
+    assert [e.seq for e in log.read(state="queued")] == [seqs[0], seqs[3]] and log.read(state="skipped") == []
+    with pytest.raises(ValueError, match="limit"):
+        log.read(limit=0)
 
 
 def test_the_oldest_queued_entry_of_a_class_outside_a_batch(log: FeedbackLog):
@@ -248,7 +309,7 @@ def test_a_quarantined_entry_is_settled_for_now_and_released_first_in_line(log: 
     assert log.mark_quarantined(seqs[0], "loss is nan", float("nan")) and not log.mark_quarantined(seqs[0], "x", 1.0)
     held = log.get(seqs[0])
     assert (held.state, held.quarantine_reason, held.quarantine_loss) == ("quarantined", "loss is nan", None)
-    assert log.settled_through() == seqs[0] and log.state_counts()["quarantined"] == 1  # held: settled for now
+    assert log.settled_through() == seqs[0] and log.counts("state")["quarantined"] == 1  # held: settled for now
     assert [e.seq for e in log.next_queued(10)] == seqs[1:] and log.queued_seqs() == [(s, "sft") for s in seqs[1:]]
     assert log.mark_trained(seqs[1:], 2) == 2 and log.settled_through() == seqs[-1]
     assert log.release([seqs[0], seqs[1], 999]) == [seqs[0]]  # only a held entry is released
@@ -276,110 +337,3 @@ def test_one_key_takes_at_most_its_share_while_others_wait_and_fills_the_rest(lo
     assert [e.seq for e in log.next_queued(4, per_key=2)] == flood[2:]  # nobody else waits: the flood fills it
 
 
-def test_a_version_3_file_gains_the_key_name(tmp_path: Path):
-    path = tmp_path / "feedback.sqlite"
-    log = FeedbackLog(path)
-    seq = log.append(**submission("r0"))[0].seq
-    log._conn.execute("ALTER TABLE feedback DROP COLUMN key_name")
-    log._conn.execute("PRAGMA user_version = 3")
-    log.close()
-    log = FeedbackLog(path)
-    try:
-        assert log.get(seq).key_name is None and log.get(seq).state == "queued"
-        assert log.append(**submission("r1", key_name="bob"))[0].key_name == "bob"
-        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 4
-    finally:
-        log.close()
-
-
-VERSION_1_TABLE = """
-CREATE TABLE feedback (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, response_id TEXT NOT NULL,
-    kind TEXT NOT NULL CHECK (kind IN ('sft', 'negative', 'preference')), rating INTEGER CHECK (rating IN (1, -1)),
-    correction TEXT, preferred_over TEXT, prompt_token_ids BLOB NOT NULL, response_token_ids BLOB NOT NULL,
-    output_token_ids BLOB NOT NULL, rejected_token_ids BLOB, adapter_version INTEGER NOT NULL,
-    recorded INTEGER NOT NULL, created_s REAL NOT NULL
-)
-"""
-
-
-def test_a_version_1_file_is_migrated_and_keeps_its_entries(tmp_path: Path):
-    """A log written before comments, client ids and states (the table as the first release made it) opens: its
-    entries read back queued, a retry of one finds it, and new entries have every field."""
-    from alchemist.feedback.log import encode_ids, idempotency_key
-
-    path = tmp_path / "feedback.sqlite"
-    with sqlite3.connect(path) as old:
-        old.execute("PRAGMA journal_mode=WAL")
-        old.execute(VERSION_1_TABLE)
-        old.execute(
-            "INSERT INTO feedback VALUES (NULL, ?, 'chatcmpl-old', 'sft', 1, NULL, NULL, ?, ?, ?, NULL, 2, 1, 1.5)",
-            (idempotency_key("chatcmpl-old", 1, None, None), encode_ids([1, 2]), encode_ids([3]), encode_ids([3])),
-        )
-    log = FeedbackLog(path)
-    try:
-        [old_entry] = log.read()
-        assert (old_entry.seq, old_entry.response_id, old_entry.prompt_token_ids, old_entry.adapter_version) == (
-            1, "chatcmpl-old", [1, 2], 2
-        )  # fmt: skip
-        assert (old_entry.state, old_entry.comment, old_entry.metadata, old_entry.feedback_id) == (
-            "queued", None, None, None
-        )  # fmt: skip
-        retried, created = log.append(**submission("chatcmpl-old", prompt_token_ids=[1, 2]))
-        assert not created and retried == old_entry
-        new, _ = log.append(**submission("chatcmpl-new", comment="ok", feedback_id="c-1", metadata={"k": 1}))
-        assert new.seq == 2 and log.find_feedback_id("c-1") == new
-        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION
-    finally:
-        log.close()
-    reopened = FeedbackLog(path)  # a migrated file opens again as it is
-    try:
-        assert [e.seq for e in reopened.read()] == [1, 2]
-    finally:
-        reopened.close()
-
-
-def test_a_version_2_file_is_rebuilt_with_the_quarantined_state(tmp_path: Path):
-    """Version 2's state CHECK allowed no "quarantined": the table is made again, its rows, states, indexes and
-    seq counter kept."""
-    path = tmp_path / "feedback.sqlite"
-    log = FeedbackLog(path)
-    seqs = [log.append(**submission(f"r{i}", feedback_id=f"c-{i}"))[0].seq for i in range(3)]
-    log.mark_trained(seqs[:1], 2)
-    log._conn.execute("DELETE FROM feedback WHERE seq = ?", (seqs[2],))  # the counter must not step back
-    log.close()
-    with sqlite3.connect(path) as old:  # back to version 2: its columns and CHECK
-        old.execute("ALTER TABLE feedback RENAME TO v3")
-        old.execute(VERSION_1_TABLE)
-        old.execute(
-            "ALTER TABLE feedback ADD COLUMN state TEXT NOT NULL DEFAULT 'queued' "
-            "CHECK (state IN ('queued', 'trained', 'skipped'))"
-        )
-        for name in ("comment", "feedback_id", "metadata", "trained_version", "skip_reason", "settled_s"):
-            old.execute(f"ALTER TABLE feedback ADD COLUMN {name}")
-        old.execute("INSERT INTO feedback SELECT seq, idempotency_key, response_id, kind, rating, correction, "
-                    "preferred_over, prompt_token_ids, response_token_ids, output_token_ids, rejected_token_ids, "
-                    "adapter_version, recorded, created_s, state, comment, feedback_id, metadata, trained_version, "
-                    "skip_reason, settled_s FROM v3")  # fmt: skip
-        old.execute("DROP TABLE v3")
-        old.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'feedback'", (seqs[2],))
-        old.execute("PRAGMA user_version = 2")
-    log = FeedbackLog(path)
-    try:
-        assert [(e.seq, e.state, e.trained_version) for e in log.read()] == [(seqs[0], "trained", 2),
-                                                                            (seqs[1], "queued", None)]  # fmt: skip
-        assert log.mark_quarantined(seqs[1], "loss is inf", float("inf"))
-        assert log.find_feedback_id("c-1").state == "quarantined"
-        assert log.append(**submission("new"))[0].seq == seqs[2] + 1
-        indexes = {row[1] for row in log._conn.execute("PRAGMA index_list(feedback)")}
-        assert {"feedback_by_client_id", "feedback_queued"} <= indexes
-    finally:
-        log.close()
-
-
-def test_a_file_from_a_newer_version_is_refused(tmp_path: Path):
-    path = tmp_path / "feedback.sqlite"
-    with sqlite3.connect(path) as newer:
-        newer.execute("PRAGMA user_version = 99")
-    with pytest.raises(ValueError, match="newer"):
-        FeedbackLog(path)

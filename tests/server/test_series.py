@@ -8,7 +8,7 @@ import time
 import httpx
 
 from alchemist.engine import EngineStats
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.server.metrics import ServerMetrics
 from alchemist.server.series import SERIES, SeriesRecorder, percentile
 from tests.server.conftest import MODEL_NAME
@@ -32,7 +32,7 @@ def test_percentile_is_nearest_rank():
 def test_samples_make_rates_percentiles_and_a_bounded_ring(tmp_path):
     stats = [engine_stats(0)]
     metrics = ServerMetrics(lambda: stats[0])
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
     recorder = SeriesRecorder(metrics, log, lambda: 4, capacity=3)
     recorder.sample()
     for ttft in (0.1, 0.2, 0.3):

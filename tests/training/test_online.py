@@ -24,6 +24,7 @@ from alchemist.config.training import (
 )
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.feedback_queue import EMPTY
 from alchemist.training.lineage import as_trained
@@ -74,7 +75,7 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
 def online(engine, tmp_path: Path, **sections: dict) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
     """A trainer beside ``engine`` with the settings below; ``sections``: others, by section (``stopping={"epochs":
     3}`` changes that one setting of the section)."""
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
     # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
     # No protected directions: on a tiny random model they would only make its outputs harder to move, which
@@ -383,7 +384,7 @@ def test_a_rollback_runs_in_the_thread_that_runs_the_slices(engine, tmp_path):
             self.threads.append(threading.current_thread())
             yield from engine.set_adapter_slices(adapter, version)
 
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
     checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
     publisher = Publisher()
     config = OnlineConfig(queue=QueueConfig(batch_size=2, max_wait_s=0.0), stopping=StoppingConfig(epochs=1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from alchemist.feedback.log import FeedbackLog
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.training.feedback_batch import Item
 from alchemist.training.quarantine import LossGuard, PoisoningGuard, Quarantine
 
@@ -22,7 +22,7 @@ def test_the_guard_flags_nan_inf_and_spikes_after_warmup():
 
 
 def test_held_entries_stay_held_across_restarts_until_released_and_trained(tmp_path):
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
     entry, _ = log.append(
         response_id="r", kind="sft", rating=None, correction="x", preferred_over=None, prompt_token_ids=[1],
         response_token_ids=[2], output_token_ids=[3], rejected_token_ids=None, adapter_version=0, recorded=False,
@@ -30,7 +30,8 @@ def test_held_entries_stay_held_across_restarts_until_released_and_trained(tmp_p
     assert Quarantine(log).hold(entry, "loss is nan", math.nan)
     log.close()
     released = []  # the trainer's queue is told to read the log again
-    again = Quarantine(FeedbackLog(tmp_path / "feedback.sqlite"), on_release=lambda: released.append(True))  # restart
+    reopened = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")  # a restart
+    again = Quarantine(reopened, on_release=lambda: released.append(True))
     [held] = again.list()
     assert again.is_held(entry.seq)
     assert (held["reason"], held["loss"], held["released"]) == ("loss is nan", "nan", False)
@@ -42,7 +43,7 @@ def test_held_entries_stay_held_across_restarts_until_released_and_trained(tmp_p
 
 
 def test_levels_are_per_kind_preferences_are_checked_for_nan_only_and_released_entries_not_at_all(tmp_path):
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
     ids = dict(prompt_token_ids=[1], response_token_ids=[2], output_token_ids=[3], adapter_version=0, recorded=False)
     fix, _ = log.append(response_id="c", kind="sft", correction="x", **ids)
     rated, _ = log.append(response_id="u", kind="sft", rating=1, **ids)

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from alchemist.config.training import RollbackConfig
-from alchemist.feedback.log import FeedbackLog
-from alchemist.training.regression import find_regression
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
+from alchemist.training.regression import find_regression, ratings_by_version
 
 BOUNDS = RollbackConfig(min_ratings=30, margin=0.15, z=3.0)
 
@@ -46,7 +46,7 @@ def test_the_first_worse_version_is_the_one_rolled_back_past_and_zero_disables()
 
 
 def test_ratings_by_version_cap_one_keys_share(tmp_path):
-    log = FeedbackLog(tmp_path / "feedback.sqlite")
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
 
     def rate(n: int, rating: int, version: int, key: str | None) -> None:
         for _ in range(n):
@@ -61,7 +61,9 @@ def test_ratings_by_version_cap_one_keys_share(tmp_path):
     rate(5, -1, 1, None)  # no key (a server without keys): counted in full
     log.append(response_id="c", kind="sft", correction="fixed", prompt_token_ids=[1], response_token_ids=[2],
                output_token_ids=[2], adapter_version=1, recorded=False)  # fmt: skip  # no rating: not counted
-    assert log.ratings_by_version() == {0: (3, 0), 1: (1, 47)}
-    assert log.ratings_by_version(per_key=15) == {0: (3, 0), 1: (1, 15 + 2 + 5)}
-    mixed = log.ratings_by_version(per_key=2)
+    ratings = log.ratings()  # per version and key: the cap is the watch's, over what the log counts
+    assert ratings == {(0, "alice"): (3, 0), (1, "mallory"): (0, 40), (1, "alice"): (1, 2), (1, None): (0, 5)}
+    assert ratings_by_version(ratings) == {0: (3, 0), 1: (1, 47)}
+    assert ratings_by_version(ratings, per_key=15) == {0: (3, 0), 1: (1, 15 + 2 + 5)}
+    mixed = ratings_by_version(ratings, per_key=2)
     assert mixed == {0: (2, 0), 1: (0 + 1, 2 + 1 + 5)}  # alice's 1 up / 2 down scaled to 2: her split kept

@@ -1,0 +1,318 @@
+"""The feedback log (``alchemist.feedback.log.FeedbackLog``) in one SQLite file, for one server process.
+
+    log = SQLiteFeedbackLog("alchemist-data/feedback.sqlite")
+
+The database runs in WAL mode with ``synchronous=FULL``: a commit fsyncs the WAL, so ``append`` (and a change of
+state) returns only after the row is on disk. Token ids are stored as little-endian int32 blobs. The table and its
+migrations: ``alchemist.feedback.schema``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from alchemist.feedback.log import (
+    CLASSES,
+    KINDS,
+    STATES,
+    FeedbackEntry,
+    Listeners,
+    check_entry,
+    decode_ids,
+    encode_ids,
+    idempotency_key,
+)
+from alchemist.feedback.schema import migrate
+
+# An entry's class (``CLASSES``) from its columns.
+CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
+    WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
+
+_INSERTED = (  # the columns append() binds, in its order (the state's defaults apply)
+    "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
+    "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
+    "comment", "feedback_id", "metadata", "key_name",
+)  # fmt: skip
+_INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join('?' * len(_INSERTED))})"
+_COUNTED = {"kind": KINDS, "state": STATES}  # what counts() groups by, and the values it always answers
+
+
+class SQLiteFeedbackLog:
+    """Thread-safe: one connection behind a lock (HTTP threads append, the trainer reads). The methods' contracts
+    are ``FeedbackLog``'s."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions; append() opens and commits its own.
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._listeners = Listeners()
+        with self._lock:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise ValueError(f"feedback_db {self.path}: SQLite refused WAL mode (got {mode!r})")
+            # FULL: a commit in WAL mode fsyncs the WAL, so an acknowledged append survives power loss too.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA busy_timeout=10000")  # another process (a reader, a tool) may hold a lock
+            migrate(self._conn)
+
+    def append(
+        self,
+        *,
+        response_id: str,
+        kind: str,
+        prompt_token_ids: Sequence[int],
+        response_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        adapter_version: int,
+        recorded: bool,
+        rating: int | None = None,
+        correction: str | None = None,
+        preferred_over: str | None = None,
+        rejected_token_ids: Sequence[int] | None = None,
+        comment: str | None = None,
+        feedback_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        key_name: str | None = None,
+    ) -> tuple[FeedbackEntry, bool]:
+        check_entry(kind, rating, rejected_token_ids, metadata)
+        key = idempotency_key(response_id, rating, correction, preferred_over, comment, metadata, feedback_id)
+        row = (
+            key,
+            response_id,
+            kind,
+            rating,
+            correction,
+            preferred_over,
+            encode_ids(prompt_token_ids),
+            encode_ids(response_token_ids),
+            encode_ids(output_token_ids),
+            None if rejected_token_ids is None else encode_ids(rejected_token_ids),
+            int(adapter_version),
+            int(bool(recorded)),
+            time.time(),
+            comment,
+            feedback_id,
+            None if metadata is None else json.dumps(metadata, ensure_ascii=False),
+            key_name,
+        )
+        with self._lock:
+            # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
+            # Not INSERT ... ON CONFLICT DO NOTHING: a refused insert still uses up an AUTOINCREMENT seq.
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                entry = self._find(key)
+                created = entry is None
+                if created:
+                    self._conn.execute(_INSERT, row)
+                    entry = self._find(key)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        assert entry is not None
+        if created:
+            self._listeners.notify(entry)  # after the commit, outside the lock: a listener may read the log
+        return entry, created
+
+    def add_listener(self, callback: Callable[[FeedbackEntry], None]) -> None:
+        self._listeners.add(callback)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()  # the last connection to close checkpoints the WAL into the main file
+
+    def get(self, seq: int) -> FeedbackEntry | None:
+        return self._one("SELECT * FROM feedback WHERE seq = ?", (seq,))
+
+    def find(self, key: str | None = None, *, feedback_id: str | None = None) -> FeedbackEntry | None:
+        if (key is None) == (feedback_id is None):
+            raise ValueError("find needs an idempotency key or a feedback_id (one of the two)")
+        if key is None:
+            return self._one("SELECT * FROM feedback WHERE feedback_id = ?", (feedback_id,))
+        with self._lock:
+            return self._find(key)
+
+    def next_queued(self, limit: int, per_key: int | None = None) -> list[FeedbackEntry]:
+        order = f"released_s IS NULL, {CLASS} != 'correction', seq"
+        return self._all(
+            f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
+            f"AS nth FROM feedback WHERE state = 'queued') ORDER BY nth > ?, {order} LIMIT ?",
+            (per_key if per_key is not None else limit, limit),
+        )
+
+    def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
+        return self._settle(seqs, "state = 'trained', trained_version = ?", (version,))
+
+    def mark_skipped(self, seqs: Sequence[int], reason: str) -> int:
+        if not reason:
+            raise ValueError("a skipped entry needs its reason")
+        return self._settle(seqs, "state = 'skipped', skip_reason = ?", (reason,))
+
+    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
+        if not classes:
+            return 0
+        marks = ", ".join("?" * len(classes))
+        with self._lock:
+            return self._conn.execute(
+                f"UPDATE feedback SET state = 'skipped', skip_reason = ?, settled_s = ? "
+                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < ? AND {CLASS} IN ({marks})",
+                (reason, time.time(), created_before_s, *classes),
+            ).rowcount
+
+    def mark_quarantined(self, seq: int, reason: str, loss: float) -> bool:
+        # A NaN loss is stored as NULL (SQLite binds NaN as NULL).
+        assignment = "state = 'quarantined', quarantine_reason = ?, quarantine_loss = ?, quarantined_s = ?"
+        return self._settle([seq], assignment, (reason, loss, time.time())) == 1
+
+    def release(self, seqs: Sequence[int]) -> list[int]:
+        if not seqs:
+            return []
+        marks = ", ".join("?" * len(seqs))
+        with self._lock:
+            rows = self._conn.execute(
+                f"UPDATE feedback SET state = 'queued', released_s = ?, settled_s = NULL "
+                f"WHERE state = 'quarantined' AND seq IN ({marks}) RETURNING seq",
+                (time.time(), *map(int, seqs)),
+            ).fetchall()
+        return sorted(seq for (seq,) in rows)
+
+    def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
+        marks = ", ".join("?" * len(excluding))
+        with self._lock:
+            return self._conn.execute(
+                f"SELECT MIN(COALESCE(released_s, created_s)) FROM feedback WHERE state = 'queued' AND {CLASS} = ? "
+                f"AND seq NOT IN ({marks})", (cls, *excluding),
+            ).fetchone()[0]  # fmt: skip
+
+    def settled_through(self, excluding: Sequence[int] = ()) -> int:
+        marks = ", ".join("?" * len(excluding))
+        with self._lock:  # one read transaction: an append in between cannot slip under the answer
+            self._conn.execute("BEGIN")
+            try:
+                last = self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
+                first = self._conn.execute(
+                    f"SELECT MIN(seq) FROM feedback WHERE state = 'queued' AND seq NOT IN ({marks})", tuple(excluding)
+                ).fetchone()[0]
+            finally:
+                self._conn.execute("COMMIT")
+        return last if first is None else first - 1
+
+    def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, kind FROM feedback WHERE state = 'queued' AND released_s IS NULL AND seq <= ? "
+                "ORDER BY seq",
+                (through_seq if through_seq is not None else 2**62,),
+            ).fetchall()
+        return [(seq, kind) for seq, kind in rows]
+
+    def read(self, after_seq: int = 0, limit: int = 100, state: str | None = None) -> list[FeedbackEntry]:
+        if limit < 1:
+            raise ValueError(f"limit must be positive (got {limit})")
+        where = "seq > ?" + ("" if state is None else " AND state = ?")
+        args = (after_seq,) + (() if state is None else (state,))
+        return self._all(f"SELECT * FROM feedback WHERE {where} ORDER BY seq LIMIT ?", (*args, limit))
+
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
+
+    def counts(self, by: str) -> dict[str, int]:
+        if by not in _COUNTED:
+            raise ValueError(f"counts are by 'kind' or 'state' (got {by!r})")
+        with self._lock:  # ``by`` is one of two column names, never the caller's text
+            rows = self._conn.execute(f"SELECT {by}, COUNT(*) FROM feedback GROUP BY {by}").fetchall()
+        return {value: 0 for value in _COUNTED[by]} | dict(rows)
+
+    def backlog(self) -> dict[str, tuple[int, float | None]]:
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {CLASS}, COUNT(*), MIN(created_s) FROM feedback WHERE state = 'queued' GROUP BY 1"
+            ).fetchall()
+        return {c: (0, None) for c in CLASSES} | {c: (n, oldest) for c, n, oldest in rows}
+
+    def quarantined(self) -> list[FeedbackEntry]:
+        return self._all(
+            "SELECT * FROM feedback WHERE state = 'quarantined' OR (state = 'queued' AND released_s IS NOT NULL) "
+            "ORDER BY seq", ()
+        )  # fmt: skip
+
+    def trained_corrections(
+        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False
+    ) -> list[FeedbackEntry]:
+        return self._all(
+            "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ? AND seq < ? "
+            f"ORDER BY seq{' DESC' if newest_first else ''} LIMIT ?",
+            (after_seq, before_seq if before_seq is not None else 2**62, limit),
+        )
+
+    def ratings(self) -> dict[tuple[int, str | None], tuple[int, int]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT adapter_version, key_name, SUM(rating = 1), SUM(rating = -1) FROM feedback "
+                "WHERE rating IS NOT NULL GROUP BY 1, 2"
+            ).fetchall()
+        return {(version, key): (up, down) for version, key, up, down in rows}
+
+    def _one(self, query: str, args: tuple) -> FeedbackEntry | None:
+        with self._lock:
+            row = self._conn.execute(query, args).fetchone()
+        return None if row is None else _entry(row)
+
+    def _all(self, query: str, args: tuple) -> list[FeedbackEntry]:
+        with self._lock:
+            rows = self._conn.execute(query, args).fetchall()
+        return [_entry(r) for r in rows]
+
+    def _settle(self, seqs: Sequence[int], assignment: str, args: tuple) -> int:
+        if not seqs:
+            return 0
+        marks = ", ".join("?" * len(seqs))
+        query = f"UPDATE feedback SET {assignment}, settled_s = ? WHERE state = 'queued' AND seq IN ({marks})"
+        with self._lock:  # one statement: its own transaction, durable (synchronous=FULL) when it returns
+            return self._conn.execute(query, (*args, time.time(), *map(int, seqs))).rowcount
+
+    def _find(self, key: str) -> FeedbackEntry | None:
+        row = self._conn.execute("SELECT * FROM feedback WHERE idempotency_key = ?", (key,)).fetchone()
+        return None if row is None else _entry(row)
+
+
+def _entry(row: sqlite3.Row) -> FeedbackEntry:
+    rejected = row["rejected_token_ids"]
+    return FeedbackEntry(
+        seq=row["seq"],
+        idempotency_key=row["idempotency_key"],
+        response_id=row["response_id"],
+        kind=row["kind"],
+        rating=row["rating"],
+        correction=row["correction"],
+        preferred_over=row["preferred_over"],
+        prompt_token_ids=decode_ids(row["prompt_token_ids"]),
+        response_token_ids=decode_ids(row["response_token_ids"]),
+        output_token_ids=decode_ids(row["output_token_ids"]),
+        rejected_token_ids=None if rejected is None else decode_ids(rejected),
+        adapter_version=row["adapter_version"],
+        recorded=bool(row["recorded"]),
+        created_s=row["created_s"],
+        comment=row["comment"],
+        feedback_id=row["feedback_id"],
+        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
+        state=row["state"],
+        trained_version=row["trained_version"],
+        skip_reason=row["skip_reason"],
+        settled_s=row["settled_s"],
+        quarantine_reason=row["quarantine_reason"],
+        quarantine_loss=row["quarantine_loss"],
+        quarantined_s=row["quarantined_s"],
+        released_s=row["released_s"],
+        key_name=row["key_name"],
+    )
