@@ -1,12 +1,14 @@
 """The bounded soak (issue 26): `alchemist bench soak` with a real server process at its defaults (jemalloc where
 installed, training on; the store capped, training given half the time in batches of 8 so that it trains all
-along), 16 streaming clients with feedback on every answer until 1.5 minutes after warm-up (a slower machine
-warms up later: the trainer's first batches; the measure is the same). No errors; resident memory flat after
+along), 16 streaming clients with feedback on every answer until a minute after warm-up (a slower machine warms
+up later: the trainer's first batches; the measure is the same), RSS sampled every 2 s: the 30 samples after
+warm-up that 1.5 minutes at 3 s gave, quartered into medians of 7. No errors; resident memory flat after
 warm-up: the median of the last quarter of its samples within 300 MB (~11%) of the first quarter's, warm-up ending
 when the trainer has taken two optimizer steps (a batch's working set swings RSS by ~200 MB either way; in five
 minutes' runs jemalloc settled within 205 MB, glibc's allocator grew 386-520 MB and kept growing: docs/benchmarks.md,
 "Soak"; which allocator stays flat under a fragmenting load is tests/test_host_memory.py's). Every row's fields are
-checked too."""
+checked too. The five-minute soaks, and the run without training, are `alchemist bench soak`'s committed rows
+(docs/results/soak-*)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import subprocess
 import sys
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "soak", "--json", "--runs", "on", "--clients", "16"]
-CMD += ["--minutes", "1.5", "--max-tokens", "16", "--sample-interval-s", "3", "--warmup-s", "45"]
+CMD += ["--minutes", "1", "--max-tokens", "16", "--sample-interval-s", "2", "--warmup-s", "45"]
 CMD += ["--warmup-version", "2", "--serve-arg=--record-budget-mb=256", "--serve-arg=--record-host-budget-mb=0"]
 CMD += ["--serve-arg=--train-epochs=1", "--serve-arg=--train-batch-size=8", "--serve-arg=--train-share=0.5"]
 MARGIN_MB = 300
@@ -32,7 +34,7 @@ def test_bench_soak_bounded():
     assert r["requests"] >= 100 and r["errors"] == 0 and r["errors_429"] == 0 and r["errors_by"] is None
     assert r["feedback"] == r["requests"] and 1 <= r["corrections"] < r["requests"]
     assert r["warm_s"] is not None, "the trainer never took two steps: no warm-up, no measure"
-    assert r["load_s"] >= r["warm_s"] + 90  # the load went on for --minutes after warm-up
+    assert r["load_s"] >= r["warm_s"] + 60  # the load went on for --minutes after warm-up
     assert 200 < r["rss_warm_mb"] <= r["rss_max_mb"] and r["rss_end_mb"] <= r["rss_max_mb"]
     assert 0 <= r["rss_growth_mb"] <= r["rss_max_mb"] - r["rss_warm_mb"] + 0.1  # rounding
     assert abs(r["rss_settled_growth_mb"]) < MARGIN_MB, r
