@@ -13,7 +13,7 @@
     guard       GuardConfig       the poisoning guard (alchemist.training.quarantine)
     gate        GateConfig        the evaluation gate (alchemist.training.evaluation)
     rollback    RollbackConfig    the regression watch (alchemist.training.regression)
-    time_share  TimeShareConfig   training's share of the stepping thread (alchemist.server.async_engine)
+    time_share  TimeShareConfig   training's share of the stepping thread (alchemist.runtime.async_engine)
 
 So each setting has one default and one check, whether a test builds a component alone or the server runs the loop.
 The flags are as flat as before the sections (``--train-gate-heldout-max-rise``); ``FORMER_KEYS`` says where each
@@ -331,13 +331,13 @@ class RollbackConfig:
 
 @dataclass
 class TimeShareConfig:
-    """Training's share of the stepping thread (alchemist.server.async_engine): time-sliced with serving, never
+    """Training's share of the stepping thread (alchemist.runtime.async_engine): time-sliced with serving, never
     concurrent (design note, section 12); with no request in flight, training takes whatever is free."""
 
     share: Annotated[float, flag("train-share", "share of the time training takes while requests are "
                                  "served")] = 0.2  # fmt: skip
     # Slices back to back let a replay train faster under load, but serving's TPOT measured worse with them
-    # (alchemist.server.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
+    # (alchemist.runtime.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
     quantum_s: Annotated[float, flag("train-quantum-ms", "while serving, train in turns of slices up to this "
                                      "long (0: a slice after every engine step)"), MS] = 0.0  # fmt: skip
 

@@ -2,7 +2,7 @@
 
     trainer = OnlineTrainer.from_config(model, tokenizer, engine, store, log, AdapterCheckpoints(dir, keep),
                                         OnlineConfig())
-    while serving:                       # the stepping thread (alchemist.server.async_engine, time_share)
+    while serving:                       # the stepping thread (alchemist.runtime.async_engine, time_share)
         engine.step()
         if trainer.has_work(): trainer.run_slice()
 
