@@ -70,7 +70,10 @@ def test_swap_takes_effect_at_the_next_step(make_engine, tiny_model):
 
 
 def test_base_model_comes_back_exactly(make_engine, tiny_model):
-    engine = make_engine(max_num_batched_tokens=32)
+    # No prefix cache: the second base run then computes every row as the first did. From the cache it computes only
+    # a prompt's last row, a matmul of another shape, which oneDNN may block (and round) differently: on an AMX Xeon
+    # it does, by an ulp. Serving the cache under the right version is tests/engine/test_prefix_cache.py's.
+    engine = make_engine(max_num_batched_tokens=32, enable_prefix_caching=False)
     prompts = random_prompts([12, 40, 7], seed=8)
     base = engine.generate(prompts, WITH_LOGPROBS)
     engine.set_adapter(random_adapter(tiny_model, 3), 1)
