@@ -11,30 +11,12 @@ from pathlib import Path
 
 import torch
 
-from alchemist.config import Config, EngineConfig, OnlineConfig, RecordConfig, ServerConfig, TrainerConfig
-from alchemist.config.training import (
-    AdapterConfig,
-    AnchorsConfig,
-    GateConfig,
-    QueueConfig,
-    RehearsalConfig,
-    StoppingConfig,
-)
+from alchemist.config import Config, EngineConfig, OnlineConfig, RecordConfig, ServerConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.model.loader import build_model
 from alchemist.runtime import build_around
 from tests.engine.helpers import char_tokenizer
-
-
-# As tests/training/test_online.py's loop: no evaluation gate, protected directions or known-fact anchors (they need
-# a chat model), so that a batch of corrections trains and is served.
-def online_config() -> OnlineConfig:
-    return OnlineConfig(
-        trainer=TrainerConfig(lr=1e-2), queue=QueueConfig(batch_size=1, max_wait_s=0.0),
-        stopping=StoppingConfig(epochs=1, target_loss=0.0, target_token_p=0.0), gate=GateConfig(enabled=False),
-        adapter=AdapterConfig(protect_energy=0.0), anchors=AnchorsConfig(known_facts=0),
-        rehearsal=RehearsalConfig(corrections=0),
-    )  # fmt: skip
+from tests.training.test_online import tiny_loop_config
 
 
 def tiny_engine(tiny_dirs) -> LLMEngine:
@@ -45,7 +27,9 @@ def tiny_engine(tiny_dirs) -> LLMEngine:
 
 def test_a_built_system_serves_and_trains_without_http(tiny_dirs, tmp_path: Path):
     engine = tiny_engine(tiny_dirs)
-    config = Config(online=online_config(), server=ServerConfig(data_dir=str(tmp_path)))
+    # The loop as tests/training/test_online.py runs it on a tiny model: a correction trains at once, in one step.
+    online = tiny_loop_config(queue={"batch_size": 1}, stopping={"epochs": 1})
+    config = Config(online=online, server=ServerConfig(data_dir=str(tmp_path)))
     system = build_around(engine, config, ["tiny"])
     assert system.store is engine.store and system.names == ["tiny"]
     assert system.trainer is not None and system.time_share is not None

@@ -72,16 +72,15 @@ def drain(trainer: OnlineTrainer, max_slices: int = 10_000) -> int:
     return slices
 
 
-def online(engine, tmp_path: Path, **sections: dict) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
-    """A trainer beside ``engine`` with the settings below; ``sections``: others, by section (``stopping={"epochs":
-    3}`` changes that one setting of the section)."""
-    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
-    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
-    # No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
-    # No protected directions: on a tiny random model they would only make its outputs harder to move, which
-    # these tests of the loop's mechanics need (tests/training/test_protected.py tests them).
-    # No known-fact anchors (their text means nothing to a tiny model: tests/training/test_anchors.py has them) and
-    # no rehearsal (test_rehearsal_... has it): each batch trains its own feedback and nothing else.
+def tiny_loop_config(**sections: dict) -> OnlineConfig:
+    """The online loop's settings for a tiny random model; ``sections``: others, by section (``stopping={"epochs":
+    3}`` changes that one setting of the section).
+
+    No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
+    No protected directions: on a tiny random model they would only make its outputs harder to move, which these
+    tests of the loop's mechanics need (tests/training/test_protected.py tests them). No known-fact anchors (their
+    text means nothing to a tiny model: tests/training/test_anchors.py has them) and no rehearsal
+    (test_rehearsal_... has it): each batch trains its own feedback and nothing else."""
     config = OnlineConfig(
         trainer=TrainerConfig(lr=1e-2), queue=QueueConfig(batch_size=2, max_wait_s=0.0),
         stopping=StoppingConfig(epochs=2, target_loss=0.0, target_token_p=0.0), gate=GateConfig(enabled=False),
@@ -90,6 +89,14 @@ def online(engine, tmp_path: Path, **sections: dict) -> tuple[OnlineTrainer, Fee
     )  # fmt: skip
     for name, settings in sections.items():
         setattr(config, name, dataclasses.replace(getattr(config, name), **settings))
+    return config
+
+
+def online(engine, tmp_path: Path, **sections: dict) -> tuple[OnlineTrainer, FeedbackLog, AdapterCheckpoints]:
+    """A trainer beside ``engine`` with ``tiny_loop_config(**sections)``."""
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
+    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
+    config = tiny_loop_config(**sections)
     return beside(engine, log, checkpoints, config), log, checkpoints
 
 
