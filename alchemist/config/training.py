@@ -157,6 +157,8 @@ class ObjectivesConfig:
                                                 "samples (thumbs up)")] = 1.0  # fmt: skip
     kto_undesirable_weight: Annotated[float, flag("train-kto-undesirable-weight", "KTO's weight of undesirable "
                                                   "samples (thumbs down)")] = 1.0  # fmt: skip
+    kto_balance: Annotated[bool, flag("train-kto-balance", "weigh a batch's thumbs-up and thumbs-down sides "
+                                      "alike (w_d n_d = w_u n_u, as the KTO paper recommends)")] = True  # fmt: skip
     thumbs_up: Annotated[Literal["kto", "sft"], flag("train-thumbs-up", "a thumbs-up without a correction: "
                          "KTO-desirable, or SFT on the served answer")] = "kto"  # fmt: skip
 

@@ -83,9 +83,9 @@ class FeedbackBatch:
         if self.kto:
             policy_kl = yield from sequence_logps_slices(trainer, self.kl_pairs, "kl", self.group_size)
             z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl))
+            sides = kto_side_weights(self.kto, w)
             for item, ref in zip(self.kto, ref_kto, strict=True):
-                side = w.kto_desirable_weight if item.desirable else w.kto_undesirable_weight
-                weight = w.kto_weight * side / n_kto
+                weight = w.kto_weight * sides[item.desirable] / n_kto
                 term = PreferenceTerm("kto", ref, weight, w.kto_beta, item.desirable, kl=z0.item())
                 samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=term))
         for pair, item in enumerate(self.dpo):
@@ -97,3 +97,17 @@ class FeedbackBatch:
             samples.append(Sample(item.prompt_ids, item.rejected_ids, item.record_id, term=rejected))
         scales += [0.0] * (len(samples) - len(scales))  # a preference sample's weight is in its term
         return samples, scales
+
+
+def kto_side_weights(kto: list[Item], w: ObjectivesConfig) -> dict[bool, float]:
+    """The weight of a desirable (True) and of an undesirable (False) KTO sample: ``kto_desirable_weight`` and
+    ``kto_undesirable_weight``, balanced (``kto_balance``) so that each side of the batch weighs half, whatever
+    its count: the KTO paper (Ethayarajh et al. 2024, section 4.3) recommends w_d n_d / (w_u n_u) in [1, 4/3];
+    thumbs-down outnumbering thumbs-up pushed whole answers' probabilities down, which the evaluation gate then
+    blocked (docs/benchmarks.md, "Thumbs and pairs")."""
+    sides = {True: w.kto_desirable_weight, False: w.kto_undesirable_weight}
+    n_desirable = sum(item.desirable for item in kto)
+    if w.kto_balance and 0 < n_desirable < len(kto):
+        sides[True] *= len(kto) / (2 * n_desirable)
+        sides[False] *= len(kto) / (2 * (len(kto) - n_desirable))
+    return sides

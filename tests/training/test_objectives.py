@@ -72,9 +72,9 @@ def dpo_loss_trl(model, inputs):
     return DPOTrainer._compute_loss(trainer, model, inputs, False)
 
 
-def kto_loss_trl(model, inputs):
-    trainer = trl_trainer(KTOTrainer, model, calculate_KL=True, loss_type="kto", desirable_weight=W_DESIRABLE,
-                          undesirable_weight=W_UNDESIRABLE)  # fmt: skip
+def kto_loss_trl(model, inputs, desirable_weight=W_DESIRABLE, undesirable_weight=W_UNDESIRABLE):
+    trainer = trl_trainer(KTOTrainer, model, calculate_KL=True, loss_type="kto", desirable_weight=desirable_weight,
+                          undesirable_weight=undesirable_weight)  # fmt: skip
     return KTOTrainer._compute_loss(trainer, model, inputs, False), trainer._metrics["train"]["kl"][-1]
 
 
@@ -131,10 +131,10 @@ def completion_inputs(prompts, completions, prefix=""):
     }
 
 
-def kto_inputs():
+def kto_inputs(desirable=DESIRABLE):
     kl_completions = [RESPONSES[-1]] + RESPONSES[:-1]  # TRL's rotation (KTOTrainer's add_kl_completion_ids)
     return completion_inputs(PROMPTS, RESPONSES) | completion_inputs(PROMPTS, kl_completions, "KL_") | {
-        "label": torch.tensor(DESIRABLE)
+        "label": torch.tensor(desirable)
     }
 
 
@@ -184,13 +184,13 @@ def weights(**overrides) -> ObjectivesConfig:
                                **overrides})  # fmt: skip
 
 
-def our_step_grads(case, items, store=None, replay=False, group_size=4, max_staleness=4, stats=None):
+def our_step_grads(case, items, store=None, replay=False, group_size=4, max_staleness=4, stats=None, **objectives):
     """Our trainer's gradients of one step over ``items`` (not applied), and its samples' (loss, replayed); its
     counters into ``stats`` (a dict), if given."""
     case.adapter.zero_grad(set_to_none=True)
     config = TrainerConfig(replay=replay, group_size=group_size, max_staleness=max_staleness)
     trainer = Trainer(case.model, case.adapter, store, config)
-    batch = FeedbackBatch(items, weights(), group_size)
+    batch = FeedbackBatch(items, weights(**objectives), group_size)
     samples, scales = run_to_end(batch.samples_slices(trainer))
     results = run_to_end(trainer.backward_slices(samples, scales))
     if stats is not None:
@@ -218,6 +218,21 @@ def test_kto_gradients_equal_trl_through_peft(case):
     assert_same_grads(ours, peft_grads(case, loss))
     our_loss = sum(s.term.weight * own for s, (own, _) in zip(samples, results, strict=True))
     assert our_loss == pytest.approx(loss.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_kto_sides_weighed_alike_as_the_paper_recommends(case, balance):
+    """One thumbs-up and three thumbs-down: balanced (the default), the step is TRL's with the desirable weight
+    scaled by 4 / (2 x 1) and the undesirable one by 4 / (2 x 3), so each side weighs half (w_d n_d = w_u n_u);
+    unbalanced, TRL's with the weights as given."""
+    desirable = [True, False, False, False]
+    items = [Item("kto", p, r, desirable=d) for p, r, d in zip(PROMPTS, RESPONSES, desirable, strict=True)]
+    ours, _, _ = our_step_grads(case, items, kto_balance=balance)
+    scale_d, scale_u = (2.0, 2.0 / 3.0) if balance else (1.0, 1.0)
+    loss, _ = kto_loss_trl(case.peft_model, kto_inputs(desirable), W_DESIRABLE * scale_d, W_UNDESIRABLE * scale_u)
+    assert_same_grads(ours, peft_grads(case, loss))
+    other, _ = kto_loss_trl(case.peft_model, kto_inputs(desirable), W_DESIRABLE, W_UNDESIRABLE)
+    assert abs(loss.item() - other.item()) > 1e-4 if balance else loss.item() == other.item()
 
 
 def test_dpo_gradients_equal_trl_through_peft(case):
