@@ -34,4 +34,4 @@ lint:
 	$(PYTHON) -m ruff check alchemist tests
 
 test: install-test lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
