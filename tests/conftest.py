@@ -26,3 +26,18 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2):
     return smollm2.tokenizer
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One throwaway PostgreSQL server for the whole test run (tests/pg.py); started by the first test that asks."""
+    from tests.pg import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """A fresh empty database on the session's server, as a postgresql:// URL."""
+    return postgres_server.fresh_database()

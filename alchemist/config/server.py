@@ -52,7 +52,8 @@ class ServerConfig:
     data_dir: Annotated[str, flag("data-dir", "durable state: feedback log, adapters (created at start-up)")] = (
         "alchemist-data"
     )
-    feedback_db: Annotated[str | None, flag("feedback-db", "the feedback log's SQLite file (None: "
+    feedback_db: Annotated[str | None, flag("feedback-db", "the feedback log: a SQLite file, or a postgresql:// URL "
+                                            "for a log shared by several servers (None: "
                                             "DATA_DIR/feedback.sqlite)")] = None  # fmt: skip
     allocator: Annotated[Literal["auto", "jemalloc", "libc"], flag("allocator", "the process's memory allocator "
                          "(auto: jemalloc where installed, which keeps resident memory flat while training under "

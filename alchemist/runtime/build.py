@@ -17,7 +17,7 @@ from pathlib import Path
 from alchemist.activations.store import ActivationStore
 from alchemist.config import Config, ServerConfig
 from alchemist.engine import LLMEngine
-from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
+from alchemist.feedback.backends import open_feedback_log
 from alchemist.model.loader import load_model
 from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.runtime.system import System
@@ -55,7 +55,7 @@ def build_around(
     data_dir."""
     online, server = config.online, config.server
     store = store if store is not None else engine.store
-    feedback_log = SQLiteFeedbackLog(server.feedback_db_path)
+    feedback_log = open_feedback_log(server.feedback_db_path)
     checkpoints = AdapterCheckpoints(Path(server.data_dir) / "adapters", online.adapter.keep_versions)
     trainer = time_share = None
     if online.enabled:

@@ -1,8 +1,9 @@
 """The feedback log's contract (``alchemist.feedback.log.FeedbackLog``), run against every implementation: durable
 appends (across processes, through SIGKILL), idempotency, reads by position, states, the trainer's queue, counts and
-listeners. A second implementation runs all of it by adding itself to ``BACKENDS``. What only SQLite has (its WAL
-mode, its schema migrations): tests/feedback/test_sqlite_log.py; the trainer's policy over what the log returns:
-tests/training/test_taught.py and test_regression.py."""
+listeners. Every implementation runs all of it by being in ``BACKENDS``: SQLite, and PostgreSQL on a throwaway
+server (tests/pg.py). What only SQLite has (its WAL mode, its schema migrations): tests/feedback/test_sqlite_log.py;
+what only PostgreSQL has (claims across processes): tests/feedback/test_postgres_log.py; the trainer's policy over
+what the log returns: tests/training/test_taught.py and test_regression.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
+from alchemist.feedback.postgres_log import PostgresFeedbackLog
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,14 +35,20 @@ class Backend:
     source: str  # Python that binds ``log`` to the log, for a child process
 
 
-def sqlite_backend(tmp_path: Path) -> Backend:
-    path = tmp_path / "data" / "feedback.sqlite"  # the directory does not exist yet
+def sqlite_backend(request: pytest.FixtureRequest) -> Backend:
+    path = request.getfixturevalue("tmp_path") / "data" / "feedback.sqlite"  # the directory does not exist yet
     source = f"from alchemist.feedback.sqlite_log import SQLiteFeedbackLog\nlog = SQLiteFeedbackLog({str(path)!r})\n"
     return Backend(lambda: SQLiteFeedbackLog(path), source)
 
 
-BACKENDS = {"sqlite": sqlite_backend}
-IMPLEMENTATIONS = [SQLiteFeedbackLog]
+def postgres_backend(request: pytest.FixtureRequest) -> Backend:
+    url = request.getfixturevalue("postgres_url")  # a fresh database on the test run's server (tests/pg.py)
+    source = f"from alchemist.feedback.postgres_log import PostgresFeedbackLog\nlog = PostgresFeedbackLog({url!r})\n"
+    return Backend(lambda: PostgresFeedbackLog(url), source)
+
+
+BACKENDS = {"sqlite": sqlite_backend, "postgresql": postgres_backend}
+IMPLEMENTATIONS = [SQLiteFeedbackLog, PostgresFeedbackLog]
 
 
 def submission(response_id: str = "chatcmpl-1", **overrides) -> dict:
@@ -66,8 +74,8 @@ def run_python(backend: Backend, code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-def backend(request, tmp_path: Path) -> Backend:
-    return BACKENDS[request.param](tmp_path)
+def backend(request) -> Backend:
+    return BACKENDS[request.param](request)
 
 
 @pytest.fixture
