@@ -99,6 +99,9 @@ class PostgresFeedbackLog:
             self._connect()
         return self._conn
 
+    def _execute(self, query: str, args: tuple | dict = ()) -> psycopg.Cursor:
+        return self._db().execute(query, args)
+
     def append(
         self,
         *,
@@ -221,7 +224,7 @@ class PostgresFeedbackLog:
         if not classes:
             return 0
         with self._lock:
-            return self._db().execute(
+            return self._execute(
                 f"UPDATE feedback SET state = 'skipped', skip_reason = %s, settled_s = %s "
                 f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < %s AND {CLASS} = ANY(%s)",
                 (reason, time.time(), created_before_s, list(classes)),
@@ -236,7 +239,7 @@ class PostgresFeedbackLog:
         if not seqs:
             return []
         with self._lock:
-            rows = self._db().execute(
+            rows = self._execute(
                 "UPDATE feedback SET state = 'queued', released_s = %s, settled_s = NULL, claimed_by = NULL "
                 "WHERE state = 'quarantined' AND seq = ANY(%s) RETURNING seq",
                 (time.time(), [int(s) for s in seqs]),
@@ -245,14 +248,14 @@ class PostgresFeedbackLog:
 
     def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
         with self._lock:
-            return self._db().execute(
+            return self._execute(
                 f"SELECT MIN(COALESCE(released_s, created_s)) AS oldest FROM feedback WHERE state = 'queued' "
                 f"AND {CLASS} = %s AND seq <> ALL(%s::bigint[])", (cls, [int(s) for s in excluding]),
             ).fetchone()["oldest"]  # fmt: skip
 
     def settled_through(self, excluding: Sequence[int] = ()) -> int:
         with self._lock:  # one statement, one snapshot: an append in between cannot slip under the answer
-            row = self._db().execute(
+            row = self._execute(
                 "SELECT (SELECT COALESCE(MAX(seq), 0) FROM feedback) AS last, (SELECT MIN(seq) FROM feedback "
                 "WHERE state = 'queued' AND seq <> ALL(%s::bigint[])) AS first", ([int(s) for s in excluding],),
             ).fetchone()  # fmt: skip
@@ -260,7 +263,7 @@ class PostgresFeedbackLog:
 
     def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
         with self._lock:
-            rows = self._db().execute(
+            rows = self._execute(
                 "SELECT seq, kind FROM feedback WHERE state = 'queued' AND released_s IS NULL AND seq <= %s "
                 "ORDER BY seq",
                 (through_seq if through_seq is not None else 2**62,),
@@ -276,18 +279,18 @@ class PostgresFeedbackLog:
 
     def last_seq(self) -> int:
         with self._lock:
-            return self._db().execute("SELECT COALESCE(MAX(seq), 0) AS last FROM feedback").fetchone()["last"]
+            return self._execute("SELECT COALESCE(MAX(seq), 0) AS last FROM feedback").fetchone()["last"]
 
     def counts(self, by: str) -> dict[str, int]:
         if by not in _COUNTED:
             raise ValueError(f"counts are by 'kind' or 'state' (got {by!r})")
         with self._lock:  # ``by`` is one of two column names, never the caller's text
-            rows = self._db().execute(f"SELECT {by} AS value, COUNT(*) AS n FROM feedback GROUP BY {by}").fetchall()
+            rows = self._execute(f"SELECT {by} AS value, COUNT(*) AS n FROM feedback GROUP BY {by}").fetchall()
         return {value: 0 for value in _COUNTED[by]} | {r["value"]: r["n"] for r in rows}
 
     def backlog(self) -> dict[str, tuple[int, float | None]]:
         with self._lock:
-            rows = self._db().execute(
+            rows = self._execute(
                 f"SELECT {CLASS} AS cls, COUNT(*) AS n, MIN(created_s) AS oldest FROM feedback WHERE state = 'queued' "
                 "GROUP BY 1"
             ).fetchall()
@@ -310,7 +313,7 @@ class PostgresFeedbackLog:
 
     def ratings(self) -> dict[tuple[int, str | None], tuple[int, int]]:
         with self._lock:
-            rows = self._db().execute(
+            rows = self._execute(
                 "SELECT adapter_version, key_name, COUNT(*) FILTER (WHERE rating = 1) AS up, "
                 "COUNT(*) FILTER (WHERE rating = -1) AS down FROM feedback WHERE rating IS NOT NULL GROUP BY 1, 2"
             ).fetchall()
@@ -318,12 +321,12 @@ class PostgresFeedbackLog:
 
     def _one(self, query: str, args: tuple) -> FeedbackEntry | None:
         with self._lock:
-            row = self._db().execute(query, args).fetchone()
+            row = self._execute(query, args).fetchone()
         return None if row is None else _entry(row)
 
     def _all(self, query: str, args: tuple) -> list[FeedbackEntry]:
         with self._lock:
-            rows = self._db().execute(query, args).fetchall()
+            rows = self._execute(query, args).fetchall()
         return [_entry(r) for r in rows]
 
     def _settle(self, seqs: Sequence[int], assignment: str, args: tuple) -> int:
@@ -331,7 +334,7 @@ class PostgresFeedbackLog:
             return 0
         query = f"UPDATE feedback SET {assignment}, settled_s = %s WHERE state = 'queued' AND seq = ANY(%s)"
         with self._lock:  # one statement: its own transaction, durable (synchronous_commit) when it returns
-            return self._db().execute(query, (*args, time.time(), [int(s) for s in seqs])).rowcount
+            return self._execute(query, (*args, time.time(), [int(s) for s in seqs])).rowcount
 
 
 def _entry(row: dict[str, Any]) -> FeedbackEntry:
