@@ -47,24 +47,30 @@ def seqs(entries) -> list[int]:
     return [e.seq for e in entries]
 
 
+def claim_at_once(claimants: list[PostgresFeedbackLog], limit: int) -> list[list[int]]:
+    """Each claimant's ``next_queued(limit)``, all started at the same moment, one thread each."""
+    start = threading.Barrier(len(claimants))
+    claims: list[list[int]] = [[] for _ in claimants]
+
+    def claim(i: int) -> None:
+        start.wait()
+        claims[i] = seqs(claimants[i].next_queued(limit))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(len(claimants))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return claims
+
+
 def test_concurrent_claimants_never_share_an_entry_and_together_take_all(logs):
     """Three owners claim at the same moment, round after round: no entry is in two claims, and every queued entry
     is in one (SKIP LOCKED passes a row another claimant locked, then the head is taken again without it)."""
     claimants = [logs() for _ in range(3)]
     for round_ in range(5):
         added = {claimants[0].append(**submission(f"r{round_}-{i}"))[0].seq for i in range(30)}
-        start = threading.Barrier(len(claimants))
-        claims: list[list[int]] = [[] for _ in claimants]
-
-        def claim(i: int) -> None:
-            start.wait()
-            claims[i] = seqs(claimants[i].next_queued(10))
-
-        threads = [threading.Thread(target=claim, args=(i,)) for i in range(len(claimants))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        claims = claim_at_once(claimants, 10)
         claimed = [seq for claim_ in claims for seq in claim_]
         assert len(claimed) == len(set(claimed)) == 30 and set(claimed) == added, claims
         for log, claim_ in zip(claimants, claims, strict=True):
@@ -150,7 +156,7 @@ def test_the_schema_is_made_once_when_many_connect_at_once(postgres_url: str, lo
     def connect() -> None:
         try:
             logs()
-        except BaseException as e:  # noqa: BLE001: the test reports it
+        except BaseException as e:  # the test reports it
             errors.append(e)
 
     threads = [threading.Thread(target=connect) for _ in range(4)]

@@ -1,7 +1,8 @@
 """The runtime without HTTP: ``build_around`` a real engine on a tiny random model makes the system `alchemist serve`
 runs (feedback log and adapters under the data dir, the online trainer, its time share, the stepping loop), which
 serves a request and trains on a correction with no web framework in sight, its log in SQLite or PostgreSQL
-(``--feedback-db postgresql://...``); with training off, no trainer and no time share. (``build`` with the real model runs in every server test, through `alchemist serve`.)"""
+(``--feedback-db postgresql://...``); with training off, no trainer and no time share. (``build`` with the real
+model runs in every server test, through `alchemist serve`.)"""
 
 from __future__ import annotations
 
