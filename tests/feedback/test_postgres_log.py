@@ -186,3 +186,17 @@ def test_the_location_picks_the_backend(postgres_url: str, tmp_path):
             log.close()
     log = open_feedback_log(postgres_url.replace("postgresql://", "postgres://"))
     log.close()
+
+
+def test_a_broken_connection_fails_the_call_in_flight_and_the_next_connects_again(postgres_url: str, logs):
+    """Under a new owner: the old session's claims went with it (they are anyone's, this log's too)."""
+    log = logs()
+    entry, _ = log.append(**submission("a"))
+    assert seqs(log.next_queued(5)) == [entry.seq]
+    owner = log.owner
+    with psycopg.connect(postgres_url, autocommit=True) as admin:  # what a server restart or a network cut does
+        admin.execute("SELECT pg_terminate_backend(%s)", (log._conn.info.backend_pid,))
+    with pytest.raises(psycopg.OperationalError):
+        log.last_seq()
+    assert log.last_seq() == entry.seq and log.owner != owner
+    assert seqs(log.next_queued(5)) == [entry.seq]
