@@ -23,6 +23,11 @@ its prompt record and its outputs' ``adapter_version`` keep the version its pref
 a preemption restarts the prefill, and the version). Prefix-cache blocks are keyed by that version
 (``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
 
+Latency: each step's time teaches ``step_cost`` (``alchemist.engine.step_cost``); with a TPOT objective
+(``set_tpot_objective``, or ``EngineConfig.slo_tpot_s``) a step's prefill beside decodes is capped to what fits in it
+(``alchemist.engine.scheduler``). ``probe`` measures unloaded steps, leaving no other trace (the runtime derives the
+objective from them at start-up).
+
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
 model), and run no torch work in other threads: each thread that runs OpenMP regions gets its own team, and
 with more OpenMP threads than cores libgomp stops spin-waiting, so every parallel region of a step pays a wake-up
@@ -212,11 +217,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._seqs or self._pending.aborts or self._aborted)
-
-    def has_arrivals(self) -> bool:
-        """A request was added since the last step began (the next step schedules it)."""
-        with self._lock:
-            return bool(self._pending.adds)
 
     def waiting_since(self) -> float | None:
         """When (``time.monotonic``) the longest-waiting request still waiting for admission arrived, among those with
