@@ -53,14 +53,14 @@ def test_bench_memory_help_and_bad_shape():
 
 def test_serve_flags_map_onto_the_online_config():
     """Each training flag of `serve` lands in its OnlineConfig field: the defaults give OnlineConfig's defaults,
-    and set flags (the quantum in ms) their values."""
+    and set flags their values."""
     from alchemist.config import OnlineConfig
     from alchemist.config.parse import parse_config
 
     assert parse_config([]).online == OnlineConfig()
     got = parse_config(["--train-group-size", "2", "--train-group-max-tokens", "0",
-                        "--train-quantum-ms", "40", "--no-train", "--train-no-replay"]).online  # fmt: skip
-    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.time_share.quantum_s) == (2, 0, 0.04)
+                        "--train-max-wait-s", "4", "--no-train", "--train-no-replay"]).online  # fmt: skip
+    assert (got.trainer.group_size, got.trainer.group_max_tokens, got.queue.max_wait_s) == (2, 0, 4.0)
     assert not got.enabled and not got.trainer.replay
 
 

@@ -13,7 +13,7 @@ from alchemist.config import Config, OnlineConfig, RecordConfig
 from alchemist.config.fields import field_type, flag_help, flag_of
 from alchemist.config.parse import parse_config
 from alchemist.config.root import leaves
-from alchemist.config.training import FORMER_KEYS
+from alchemist.config.training import FORMER_KEYS, QueueConfig
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_record_flags_map_to_the_tiers(tmp_path):
 def _other_value(cls: type, field: dataclasses.Field):
     """A valid value of the field other than its default."""
     kind, default = field_type(cls, field.name), field.default
-    special = {"host": "localhost", "port": 8001, "max_num_seqs": 8, "betas": (0.8, 0.99), "train_quantum_s": 0.04}
+    special = {"host": "localhost", "port": 8001, "max_num_seqs": 8, "betas": (0.8, 0.99), "slo_tpot_s": 0.04}
     if field.name in special:
         return special[field.name]
     if kind is bool:
@@ -136,6 +136,8 @@ BAD_FLAGS = [
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be a positive integer"),
     (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens must be at least"),
     (["--max-waiting", "0"], "--max-waiting must be a positive integer"),
+    (["--slo-tpot-ms", "-1"], "--slo-tpot-ms must be >= 0 (got -1)"),
+    (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be >= 0 (got -5)"),
     (["--record-fraction", "1.5"], "--record-fraction must be in [0, 1] (got 1.5)"),
     (["--route-threshold", "1.5"], "--route-threshold must be in [0, 1] (got 1.5)"),
     (["--record-budget-mb", "-1"], "--record-budget-mb must be an integer >= 0 (got -1)"),
@@ -192,8 +194,6 @@ BAD_FLAGS = [
     (["--train-protect-energy", "1"], "--train-protect-energy must be in [0, 1)"),
     (["--train-target-token-p", "1"], "--train-target-token-p must be in [0, 1)"),
     (["--train-key-share", "0"], "--train-key-share must be in (0, 1]"),
-    (["--train-share", "1"], "--train-share must be in [0, 1)"),
-    (["--train-quantum-ms", "2000"], "--train-quantum-ms must be between 0 and a second (got 2000)"),
     (["--port", "70000"], "--port must be an integer in 0..65535"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be a positive integer"),
@@ -278,3 +278,24 @@ def test_former_flat_keys_of_online_are_still_read_with_a_warning(tmp_path):
     file.write_text("online: {epochs: 2, stopping: {epochs: 3}}\n")
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="online.stopping.epochs is set twice"):
         parse_config(["--config", str(file)])
+
+
+def test_retired_settings_are_read_with_a_warning_and_ignored(tmp_path):
+    """The fixed share of training's time is gone (the latency objective replaced it): its flags and keys, flat or
+    in their section, are still read, with a FutureWarning saying why, and change nothing."""
+    for argv in (["--train-share", "0.5"], ["--train-share=0.5"], ["--train-quantum-ms", "40", "--no-train"]):
+        with pytest.warns(FutureWarning, match="ignored: training's time follows the latency objective"):
+            config = parse_config(argv)
+        assert config.online == OnlineConfig(enabled="--no-train" not in argv)
+    for data in ({"time_share": {"share": 0.3, "quantum_s": 0.04}}, {"train_share": 0.3, "train_quantum_s": 0.04}):
+        file = tmp_path / "old.yaml"
+        file.write_text(yaml.safe_dump({"online": {**data, "queue": {"batch_size": 3}}}))
+        with pytest.warns(FutureWarning, match="online.t.* is ignored"):
+            online = parse_config(["--config", str(file)]).online
+        assert online == OnlineConfig(queue=QueueConfig(batch_size=3))
+
+
+def test_the_latency_objective_flags_are_in_milliseconds():
+    engine = parse_config(["--slo-tpot-ms", "40", "--slo-ttft-ms", "750"]).engine
+    assert (engine.slo_tpot_s, engine.slo_ttft_s) == (0.04, 0.75)
+    assert (parse_config([]).engine.slo_tpot_s, parse_config([]).engine.slo_ttft_s) == (0.0, 0.0)  # derived

@@ -2,7 +2,7 @@
 fast training goes when it replays prompts from serving's records vs when it recomputes them.
 
     alchemist bench online [--json] [--num-requests 48] [--request-rate 0.4] [--feedback-fraction 0.5]
-                           [--runs off replay recompute] [--train-share 0.2] [--drain-s 180]
+                           [--runs off replay recompute] [--slo-tpot-ms 0] [--drain-s 180]
                            [--backlog-interval-s 5] [any `alchemist serve` flag, or --config FILE]
 
 The servers take every serve flag given here (their defaults: serve's, but ``--max-num-seqs 16``,
@@ -88,6 +88,11 @@ class RequestResult:
     num_tokens: int
     feedback_seq: int | None  # the feedback entry's log position ("fb-<seq>"), if it got feedback
     itl_s: list[float]  # the gaps between its streamed content chunks after the first (vLLM's ITL)
+
+
+def _ms(seconds: float) -> str:
+    """A latency objective's setting as the note shows it (0: derived by each server at start-up)."""
+    return f"{seconds * 1e3:g} ms" if seconds else "derived"
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
@@ -360,8 +365,8 @@ def main(args: argparse.Namespace) -> int:
         f"prompt tokens mean {np.mean(work.prompt_tokens):.0f} max {max(work.prompt_tokens)}, output tokens mean "
         f"{np.mean(work.max_tokens):.0f} (cap {args.max_tokens}, EOS ignored), {args.feedback} feedback on "
         f"{sum(f is not None for f in work.feedback)}; train batch {online.queue.batch_size}, epochs "
-        f"{online.stopping.epochs}, group {trainer.group_size} ({trainer.group_max_tokens} tokens), share "
-        f"{online.time_share.share}, quantum {online.time_share.quantum_s * 1000:g} ms, max wait "
+        f"{online.stopping.epochs}, group {trainer.group_size} ({trainer.group_max_tokens} tokens), "
+        f"objective TPOT {_ms(args.serve.engine.slo_tpot_s)}, TTFT {_ms(args.serve.engine.slo_ttft_s)}, max wait "
         f"{online.queue.max_wait_s} s; dtype "
         f"{args.serve.engine.dtype}; {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load "
         f"average at start {os.getloadavg()[0]:.1f}"

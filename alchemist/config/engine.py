@@ -6,7 +6,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from alchemist.config.fields import check, check_choice, check_positive_ints, choices_of, flag, run_checks
+from alchemist.config.fields import (
+    MS,
+    check,
+    check_choice,
+    check_non_negative,
+    check_positive_ints,
+    choices_of,
+    flag,
+    run_checks,
+)
 
 # Without a user setting, the context is capped here even where the model allows more: the per-slot cache is
 # reserved for max_num_seqs x max_model_len tokens, and ShareGPT-like chats fit well inside it.
@@ -31,6 +40,14 @@ class EngineConfig:
     max_num_batched_tokens: Annotated[int,
                                       flag("max-num-batched-tokens", "tokens per step (prefill chunk size)")] = 512
     max_waiting: Annotated[int, flag("max-waiting", "requests queued beyond this get a 429")] = 256
+    # The latency objective: serving's promise, which training yields to (alchemist.runtime.time_share) and which
+    # sizes the prefill chunks run beside decodes (alchemist.engine.scheduler). 0: derived at start-up from the
+    # unloaded steps this machine measures (alchemist.runtime.objective says how).
+    slo_tpot_s: Annotated[float, flag("slo-tpot-ms", "time per output token serving keeps to: training waits "
+                                      "and prefill chunks shrink to hold it (0: derived at start-up)"),
+                          MS] = 0.0  # fmt: skip
+    slo_ttft_s: Annotated[float, flag("slo-ttft-ms", "time to first token: no training slice while a waiting "
+                                      "request would miss it (0: derived at start-up)"), MS] = 0.0  # fmt: skip
     # Forwards that record nothing serve the adapter merged into the weights (alchemist.engine.merged_adapter):
     # no per-token cost, one more copy of the targeted weights in memory.
     merge_adapter: Annotated[bool, flag("merge-adapter", "serve the adapter merged into the weights (else a "
@@ -63,6 +80,7 @@ class EngineConfig:
         check(self, self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
               f"must be at least max_num_seqs ({self.max_num_seqs})")  # fmt: skip
         check(self, 0.0 <= self.route_threshold <= 1.0, "route_threshold", "must be in [0, 1]")
+        check_non_negative(self, "slo_tpot_s", "slo_ttft_s")
         for name in ("merge_adapter", "enable_prefix_caching"):
             check(self, isinstance(getattr(self, name), bool), name, "must be a bool")
         check(self, self.compile_decode is None or isinstance(self.compile_decode, bool), "compile_decode",

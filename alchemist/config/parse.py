@@ -18,7 +18,8 @@ import tyro
 import yaml
 
 from alchemist.config.fields import FieldError, deferred_checks, flag_of
-from alchemist.config.root import MOVED, Config, file_flags, file_keys
+from alchemist.config.root import MOVED, RETIRED, Config, file_flags, file_keys
+from alchemist.config.training import WHY_RETIRED
 
 # Spellings from before the flags were generated, still accepted: tyro makes --X / --no-X pairs.
 LEGACY_FLAGS = {
@@ -26,6 +27,8 @@ LEGACY_FLAGS = {
     "--train-no-replay": ["--no-train-replay"],
     "--train-no-gate": ["--no-train-gate"],
 }
+# Flags of settings that are gone, each with its value: still accepted, with a FutureWarning, and ignored.
+RETIRED_FLAGS = {"--train-share": WHY_RETIRED, "--train-quantum-ms": WHY_RETIRED}
 DESCRIPTION = (
     "OpenAI-compatible HTTP server that learns from feedback. Settings come from the flags below, each a field of "
     "the config tree (alchemist/config/); --config FILE (YAML or TOML, the same tree keyed by field names: see "
@@ -43,9 +46,15 @@ def load_file(path: str) -> dict[str, Any]:
 
 def moved_keys(data: dict[str, Any], path: str = "the config file") -> dict[str, Any]:
     """``data`` with the keys of settings that moved (``root.MOVED``) put where they are now, a ``FutureWarning``
-    naming the new key for each. An old key that is now a section's name (``online.gate``) counts as old only when
-    its value is not a mapping."""
+    naming the new key for each, and those of settings that are gone (``root.RETIRED``) dropped, with one saying so.
+    An old key that is now a section's name (``online.gate``) counts as old only when its value is not a mapping."""
     data = _copy(data)
+    for old, why in RETIRED.items():
+        *parents, leaf = old.split(".")
+        holder = _section(data, parents)
+        if holder is not None and leaf in holder:
+            holder.pop(leaf)
+            warnings.warn(f"{path}: {old} is ignored: {why}", FutureWarning, stacklevel=3)
     found: list[tuple[str, Any]] = []
     for old, new in MOVED.items():
         *parents, leaf = old.split(".")
@@ -76,7 +85,7 @@ def _section(data: dict[str, Any], parts: list[str]) -> dict[str, Any] | None:
 
 
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """``--config FILE`` (or ``--config=FILE``) out of ``argv``, legacy spellings rewritten."""
+    """``--config FILE`` (or ``--config=FILE``) out of ``argv``, legacy spellings rewritten, retired flags dropped."""
     path, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -84,6 +93,11 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
             if i + 1 >= len(argv):
                 raise ValueError("--config needs a file")
             path, i = argv[i + 1], i + 2
+            continue
+        name = arg.split("=", 1)[0]
+        if name in RETIRED_FLAGS:
+            warnings.warn(f"{name} is ignored: {RETIRED_FLAGS[name]}", FutureWarning, stacklevel=3)
+            i += 1 if "=" in arg else 2  # the flag and its value
             continue
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1]

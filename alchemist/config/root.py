@@ -20,7 +20,7 @@ from alchemist.config.engine import EngineConfig
 from alchemist.config.fields import field_type, flag_of, sections
 from alchemist.config.record import RecordConfig
 from alchemist.config.server import ServerConfig
-from alchemist.config.training import FORMER_KEYS, OnlineConfig
+from alchemist.config.training import FORMER_KEYS, RETIRED_KEYS, OnlineConfig
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Config:
 
 # Settings that moved (old dotted path -> new): a config file may still use the old keys (parse.py warns).
 MOVED: dict[str, str] = {f"online.{old}": f"online.{new}" for old, new in FORMER_KEYS.items()}
+# Settings that are gone (dotted path -> why): a config file may still set them (parse.py warns and drops them).
+RETIRED: dict[str, str] = {f"online.{key}": why for key, why in RETIRED_KEYS.items()}
 
 
 def leaves(cls: type = Config, path: str = "") -> Iterator[tuple[str, type, dataclasses.Field]]:

@@ -13,7 +13,6 @@
     guard       GuardConfig       the poisoning guard (alchemist.training.quarantine)
     gate        GateConfig        the evaluation gate (alchemist.training.evaluation)
     rollback    RollbackConfig    the regression watch (alchemist.training.regression)
-    time_share  TimeShareConfig   training's share of the stepping thread (alchemist.runtime.async_engine)
 
 So each setting has one default and one check, whether a test builds a component alone or the server runs the loop.
 The flags are as flat as before the sections (``--train-gate-heldout-max-rise``); ``FORMER_KEYS`` says where each
@@ -26,7 +25,6 @@ from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal
 
 from alchemist.config.fields import (
-    MS,
     check,
     check_non_negative,
     check_positive,
@@ -332,26 +330,6 @@ class RollbackConfig:
 
 
 @dataclass
-class TimeShareConfig:
-    """Training's share of the stepping thread (alchemist.runtime.async_engine): time-sliced with serving, never
-    concurrent (design note, section 12); with no request in flight, training takes whatever is free."""
-
-    share: Annotated[float, flag("train-share", "share of the time training takes while requests are "
-                                 "served")] = 0.2  # fmt: skip
-    # Slices back to back let a replay train faster under load, but serving's TPOT measured worse with them
-    # (alchemist.runtime.async_engine, docs/benchmarks.md). A request that arrives ends a turn.
-    quantum_s: Annotated[float, flag("train-quantum-ms", "while serving, train in turns of slices up to this "
-                                     "long (0: a slice after every engine step)"), MS] = 0.0  # fmt: skip
-
-    def __post_init__(self) -> None:
-        run_checks(self)
-
-    def check(self) -> None:
-        check(self, 0.0 <= self.share < 1.0, "share", "must be in [0, 1)")
-        check(self, 0.0 <= self.quantum_s <= 1.0, "quantum_s", "must be between 0 and a second")
-
-
-@dataclass
 class OnlineConfig:
     """The online trainer inside the server: feedback -> mini-batches -> LoRA steps -> published adapter versions."""
 
@@ -366,7 +344,6 @@ class OnlineConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
-    time_share: TimeShareConfig = field(default_factory=TimeShareConfig)
 
     def __post_init__(self) -> None:
         run_checks(self)
@@ -392,5 +369,11 @@ FORMER_KEYS: dict[str, str] = {
     **_moved("anchors", "anchor_"), **_moved("rehearsal", "rehearse_"),
     **_moved("guard", spike_factor="loss_spike_factor", warmup="loss_spike_warmup"),
     **_moved("gate", "gate_", enabled="gate"), **_moved("rollback", "rollback_"),
-    **_moved("time_share", share="train_share", quantum_s="train_quantum_s"),
+}  # fmt: skip
+
+# Settings that no longer exist (key under ``online`` -> why): a config file or command line that still sets one
+# is read with a FutureWarning saying so, and the setting is dropped (alchemist.config.parse).
+WHY_RETIRED = "training's time follows the latency objective now (--slo-tpot-ms, --slo-ttft-ms)"
+RETIRED_KEYS: dict[str, str] = {
+    "time_share": WHY_RETIRED, "train_share": WHY_RETIRED, "train_quantum_s": WHY_RETIRED,
 }  # fmt: skip

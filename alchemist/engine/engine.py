@@ -23,6 +23,11 @@ its prompt record and its outputs' ``adapter_version`` keep the version its pref
 a preemption restarts the prefill, and the version). Prefix-cache blocks are keyed by that version
 (``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
 
+Latency: each step's time teaches ``step_cost`` (``alchemist.engine.step_cost``); with a TPOT objective
+(``set_tpot_objective``, or ``EngineConfig.slo_tpot_s``) a step's prefill beside decodes is capped to what fits in it
+(``alchemist.engine.scheduler``). ``probe`` measures unloaded steps, leaving no other trace (the runtime derives the
+objective from them at start-up).
+
 Run ``step()`` in the thread that ran torch's first parallel op (normally the main thread, which loaded the
 model), and run no torch work in other threads: each thread that runs OpenMP regions gets its own team, and
 with more OpenMP threads than cores libgomp stops spin-waiting, so every parallel region of a step pays a wake-up
@@ -48,6 +53,7 @@ from alchemist.engine.sampler import Sampler
 from alchemist.engine.scheduler import ScheduledBatch, Scheduler
 from alchemist.engine.sequence import SamplingParams, Sequence
 from alchemist.engine.served_adapter import ServedAdapter
+from alchemist.engine.step_cost import StepCost
 from alchemist.engine.stop import StopChecker
 from alchemist.model.llama import Llama
 from alchemist.model.loader import load_model
@@ -107,6 +113,11 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_finished = 0
+        # The latency objective's TPOT (None: not set yet; the runtime derives it at start-up), which caps a step's
+        # prefill beside decodes by what the step cost estimate fits in it (alchemist.engine.scheduler).
+        self.tpot_objective_s: float | None = c.slo_tpot_s or None
+        self.step_cost = StepCost()  # learned from every step
+        self.last_step: tuple[int, int, float] | None = None  # (decode rows, prefill tokens, seconds)
 
     @classmethod
     def from_config(cls, config: EngineConfig, record_config: RecordConfig | None = None) -> LLMEngine:
@@ -207,10 +218,51 @@ class LLMEngine:
         with self._lock:
             return bool(self._seqs or self._pending.aborts or self._aborted)
 
-    def has_arrivals(self) -> bool:
-        """A request was added since the last step began (the next step schedules it)."""
+    def waiting_since(self) -> float | None:
+        """When (``time.monotonic``) the longest-waiting request still waiting for admission arrived, among those with
+        no token yet (a preempted one had its first); None if there is none."""
         with self._lock:
-            return bool(self._pending.adds)
+            arrivals = [seq.arrival_s for seq in self._pending.adds]
+        with self._step_lock:  # an abort applied at once changes the waiting queue
+            arrivals += [seq.arrival_s for seq in self.scheduler.waiting if seq.first_token_s is None]
+        return min(arrivals, default=None)
+
+    def set_tpot_objective(self, seconds: float | None) -> None:
+        """Cap prefill beside decodes so that a step's estimated time stays within ``seconds`` (None: no cap)."""
+        self.tpot_objective_s = seconds
+
+    def probe(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[int, int, float]]:
+        """Serves ``prompts`` together, greedily, ``max_tokens`` each, and returns every step's (decode rows, prefill
+        tokens, seconds): how long this machine's steps take unloaded (call it with nothing in flight: the runtime
+        does at start-up). The requests leave no trace but their steps in ``step_cost``: nothing is recorded, and
+        the counters ``stats()`` reports are as before."""
+        counters = self._counters()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            request_id = f"probe-{i}-{time.monotonic_ns()}"
+            self.add_request(request_id, prompt, params)
+            with self._lock:
+                self._seqs[request_id].record = False
+        steps = []
+        while self.has_unfinished():
+            self.step()
+            if self.last_step is not None:
+                steps.append(self.last_step)
+        self._restore_counters(counters)
+        return steps
+
+    def _counters(self) -> tuple[int, ...]:
+        cache = self.block_manager.prefix_cache
+        queries, hits = (cache.num_queries, cache.num_hits) if cache is not None else (0, 0)
+        return (self._num_prompt_tokens, self._num_generation_tokens, self._num_finished,
+                self.scheduler.num_preemptions, queries, hits)  # fmt: skip
+
+    def _restore_counters(self, counters: tuple[int, ...]) -> None:
+        cache = self.block_manager.prefix_cache
+        (self._num_prompt_tokens, self._num_generation_tokens, self._num_finished, self.scheduler.num_preemptions,
+         queries, hits) = counters  # fmt: skip
+        if cache is not None:
+            cache.num_queries, cache.num_hits = queries, hits
 
     def stats(self) -> EngineStats:
         cache = self.block_manager.prefix_cache
@@ -236,13 +288,26 @@ class LLMEngine:
         """Runs one batch; returns an output for each request that sampled a token, finished or was aborted."""
         with self._step_lock:
             self._apply_pending()
-            batch = self.scheduler.schedule(time.monotonic(), self.runner.adapter_version)
+            cap = self._prefill_cap if self.tpot_objective_s is not None else None
+            batch = self.scheduler.schedule(time.monotonic(), self.runner.adapter_version, cap)
+            self.last_step = None
             if batch.is_empty:
                 return self._take_aborted()
+            t0 = time.perf_counter()
             self.runner.copy_prefixes(batch)
             logits, sampling = self.runner.run(batch)
             samples = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-            return self._postprocess(batch, sampling, samples.token_ids, samples.logprobs)
+            outputs = self._postprocess(batch, sampling, samples.token_ids, samples.logprobs)
+            num_decodes = batch.num_tokens.count(1)
+            self.last_step = (num_decodes, batch.total_tokens - num_decodes, time.perf_counter() - t0)
+            self.step_cost.observe(*self.last_step)
+            return outputs
+
+    def _prefill_cap(self, num_decodes: int) -> int | None:
+        """Prefill tokens a step beside ``num_decodes`` decodes may take within the TPOT objective (None: no
+        estimate yet)."""
+        assert self.tpot_objective_s is not None
+        return self.step_cost.prefill_tokens_within(self.tpot_objective_s, num_decodes)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Runs prompts to completion (offline use, tests, benchmarks); final outputs in prompt order."""

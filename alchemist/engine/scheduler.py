@@ -13,15 +13,26 @@ When the block pool cannot hold a running sequence's next tokens, the newest run
 slot and blocks are freed and it goes back to the front of the waiting queue, to be recomputed from its prompt and
 outputs so far. The oldest sequence therefore always progresses, and any single request fits (the engine rejects
 one that could not fit alone), so the loop cannot deadlock.
+
+Prefill beside decodes: a step's time is what every running stream waits for its next token, so while decodes run
+the prefill chunks (2 and 3 together) are capped by the caller's ``prefill_cap``: the engine's, the tokens its step
+cost estimate fits in the latency objective (``alchemist.engine.step_cost``), never below ``MIN_PREFILL_TOKENS``.
+With no decode running the whole budget goes to prefill, for the first token's sake. Only where prompts are cut
+into chunks changes; the tokens computed are the same.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from alchemist.engine.block_manager import BlockManager
 from alchemist.engine.sequence import Sequence
+
+# A prefill chunk beside running decodes is never capped below this, so that a prompt still progresses when the
+# decodes alone fill the latency objective (vLLM's chunks beside decodes are of this order too).
+MIN_PREFILL_TOKENS = 32
 
 
 @dataclass
@@ -66,29 +77,53 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self, now_s: float, adapter_version: int = 0) -> ScheduledBatch:
+    def schedule(
+        self, now_s: float, adapter_version: int = 0, prefill_cap: Callable[[int], int | None] | None = None
+    ) -> ScheduledBatch:
         """The next batch; ``adapter_version`` is the adapter its forward serves (the key of prefix-cache
-        lookups)."""
-        budget = self.max_num_batched_tokens
+        lookups). ``prefill_cap(num_decodes)``: the most prefill tokens a step beside that many decodes may take
+        (None: the whole budget; the engine's, from the latency objective): it binds only while decodes run, and
+        never below ``MIN_PREFILL_TOKENS``."""
         chosen: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefill chunks
         preempted: list[Sequence] = []
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding + prefilling:
+        self._schedule_running(decoding, decoding, self.max_num_batched_tokens, chosen, preempted)
+        num_decodes = len(chosen)
+        cap = prefill_cap(num_decodes) if prefill_cap is not None and num_decodes else None
+        # With no decode running, a prompt's first token waits for its prefill alone: the whole budget (TTFT).
+        max_prefill = self.max_num_batched_tokens if cap is None else max(cap, MIN_PREFILL_TOKENS)
+        self._schedule_running(prefilling, decoding, max_prefill, chosen, preempted)
+        copies: list[tuple[int, int, int]] = []
+        if not preempted:  # admitting now would only feed the next preemption
+            self._admit(self._room(chosen, decoding, max_prefill), chosen, copies, now_s, adapter_version)
+        self.num_preemptions += len(preempted)
+        return ScheduledBatch(list(chosen), list(chosen.values()), preempted, copies)
+
+    def _room(self, chosen: dict[Sequence, int], decoding: list[Sequence], max_prefill: int) -> int:
+        """Tokens a prefill chunk may still take: what the step's budget leaves, and the prefill cap."""
+        num_prefill = sum(num for seq, num in chosen.items() if seq not in decoding)
+        return min(self.max_num_batched_tokens - sum(chosen.values()), max_prefill - num_prefill)
+
+    def _schedule_running(
+        self,
+        seqs: list[Sequence],
+        decoding: list[Sequence],
+        max_prefill: int,
+        chosen: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> None:
+        """Running sequences' next tokens, in order, while the step's room lasts (``decoding``: this step's
+        decodes, which the prefill cap does not count)."""
+        for seq in seqs:
             if seq not in self.running:
-                continue  # preempted earlier in this loop
-            num = min(seq.num_uncomputed_tokens, budget)
-            if num == 0:
+                continue  # preempted earlier in this step
+            num = min(seq.num_uncomputed_tokens, self._room(chosen, decoding, max_prefill))
+            if num <= 0:
                 break
             if not self._reserve(seq, num, chosen, preempted):
                 continue  # seq itself was the newest and got preempted
             chosen[seq] = num
-            budget = self.max_num_batched_tokens - sum(chosen.values())
-        copies: list[tuple[int, int, int]] = []
-        if not preempted:  # admitting now would only feed the next preemption
-            budget = self._admit(budget, chosen, copies, now_s, adapter_version)
-        self.num_preemptions += len(preempted)
-        return ScheduledBatch(list(chosen), list(chosen.values()), preempted, copies)
 
     def _reserve(self, seq: Sequence, num: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
         """Blocks for ``num`` more tokens of ``seq``, preempting the newest running sequences as needed."""

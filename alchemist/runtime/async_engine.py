@@ -11,9 +11,9 @@ asyncio queues. A stream that is closed before its request finished (client disc
 the request, which frees its KV blocks. ``add_request`` and ``abort`` are thread-safe in the engine, so the event
 loop calls them directly.
 
-Training beside serving: a ``TimeShare`` (``alchemist.runtime.time_share``, the policy) gets the stepping thread
-between engine steps, for slices of the online trainer's work; this loop only tells it when a step ran and when
-serving is idle.
+Training beside serving: a ``TimeShare`` (``alchemist.runtime.time_share``, the policy: what the latency objective
+leaves training) gets the stepping thread between engine steps, for slices of the online trainer's work; this loop
+only tells it how long each step took and when serving is idle.
 
 Overload: the engine's waiting queue is bounded (``EngineConfig.max_waiting``); ``add_request`` raises the
 engine's QueueFullError (a 429) instead of letting it grow.

@@ -4,9 +4,9 @@
     system = build_around(engine, Config(), names=["m"])          # around an engine already made (tiny models)
 
 One code path: ``build`` loads the model and makes the activation store and the engine, ``build_around`` the rest
-(feedback log, adapter checkpoints, the online trainer or the adapter training left serving, the time share and the
-stepping loop). Every default comes from the config tree; the calls into training and the feedback log are here
-only, so that a change of their constructors touches this file alone.
+(feedback log, adapter checkpoints, the online trainer or the adapter training left serving, the latency objective,
+the time share and the stepping loop). Every default comes from the config tree; the calls into training and the
+feedback log are here only, so that a change of their constructors touches this file alone.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from alchemist.engine import LLMEngine
 from alchemist.feedback.backends import open_feedback_log
 from alchemist.model.loader import load_model
 from alchemist.runtime.async_engine import AsyncEngine
+from alchemist.runtime.objective import resolve_objective
 from alchemist.runtime.system import System
 from alchemist.runtime.time_share import TimeShare
 from alchemist.training.checkpoint import AdapterCheckpoints
@@ -52,23 +53,26 @@ def build_around(
     not read here), with the online trainer of ``config.online`` stepping beside it: it replays from ``store`` (the
     one the engine records into: by default ``engine.store``) and publishes to the engine, which it knows only by
     ``alchemist.training.seams``' Protocols. The feedback log and the adapters live under ``config.server``'s
-    data_dir."""
+    data_dir. The latency objective is the engine's config's, its zeros derived here from probe steps
+    (``alchemist.runtime.objective``): call this in the thread that will step the engine."""
     online, server = config.online, config.server
     store = store if store is not None else engine.store
     feedback_log = open_feedback_log(server.feedback_db_path)
     checkpoints = AdapterCheckpoints(Path(server.data_dir) / "adapters", online.adapter.keep_versions)
+    objective = resolve_objective(engine)  # probe steps, if derived: before any request
     trainer = time_share = None
     if online.enabled:
         trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
                                             online)  # resumes from its checkpoint  # fmt: skip
-        time_share = TimeShare(trainer, engine.has_arrivals, online.time_share.share, online.time_share.quantum_s)
+        time_share = TimeShare(trainer, objective, engine.waiting_since)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
         undone = serving.metrics.get("undone", [])
         engine.set_adapter(as_trained(adapter, online.adapter, feedback_log, serving.version, undone), serving.version)
     async_engine = AsyncEngine(engine, own_step_thread=own_step_thread, time_share=time_share)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
-    return System(config, engine, store, feedback_log, checkpoints, trainer, time_share, async_engine, names)
+    return System(config, engine, store, feedback_log, checkpoints, trainer, objective, time_share, async_engine,
+                  names)  # fmt: skip
 
 
 def served_model_names(server_config: ServerConfig, source: Path, model_arg: str | None) -> list[str]:

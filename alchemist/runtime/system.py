@@ -20,6 +20,7 @@ from alchemist.config import Config
 from alchemist.engine import LLMEngine, RequestOutput
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.runtime.async_engine import AsyncEngine
+from alchemist.runtime.objective import LatencyObjective
 from alchemist.runtime.time_share import TimeShare
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
@@ -33,6 +34,7 @@ class System:
     feedback_log: FeedbackLog
     checkpoints: AdapterCheckpoints
     trainer: OnlineTrainer | None  # None: training off (the version training left serving is served)
+    objective: LatencyObjective  # the TPOT and TTFT serving keeps to (set, or derived at start-up)
     time_share: TimeShare | None  # training's slices between engine steps (None without a trainer)
     async_engine: AsyncEngine  # the stepping loop, and the bridge that streams its outputs to asyncio
     names: list[str]  # the model names served: the one responses carry first, then its aliases

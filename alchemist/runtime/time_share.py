@@ -1,6 +1,7 @@
-"""Training's share of the stepping thread: when background work (the online trainer) runs between engine steps.
+"""Training's time on the stepping thread, given by the latency objective: when background work (the online trainer)
+runs between engine steps.
 
-    share = TimeShare(trainer, engine.has_arrivals, online.time_share.share, online.time_share.quantum_s)
+    share = TimeShare(trainer, objective, engine.waiting_since)     # objective: alchemist.runtime.objective
     while serving:                              # the stepping thread (alchemist.runtime.async_engine)
         if engine.has_unfinished():
             t0 = time.perf_counter(); engine.step()
@@ -9,29 +10,31 @@
             share.run_slice()                   # serving idle: training takes the machine, slice by slice
 
 Work runs in slices, never at the same time as a step (concurrent training slowed decode steps severalfold on this
-CPU: docs/benchmarks.md, "Training beside a step"). With requests in flight it may take ``share`` of the time: each
-engine step earns it ``step_s * share / (1 - share)`` seconds of credit (capped), each slice spends what it took: by
-default one slice after an engine step whenever the credit is positive. With ``quantum_s`` > 0 the credit is spent
-in turns instead: once it reaches ``quantum_s``, slices run back to back until it is spent or the turn has lasted
-``quantum_s`` (plus the slice that crosses it), then serving steps until it is earned again; a request that arrives
-ends a turn after the slice in progress, and one that arrived during a step is scheduled before any slice runs,
-unless training's credit is full (``MAX_CREDIT_S``): then training takes its turn anyway, so that a steady stream of
-arrivals cannot starve it (16 closed-loop clients did in `alchemist bench soak`: docs/benchmarks.md, "Soak"). Each
-switch finds the other side's data out of the caches, and a replay's slices are small (a layer): in ``bench online``
-turns let the replay trainer train faster under load, but serving's TPOT measured worse with them in every pair
-(docs/benchmarks.md, "Why the defaults"), so they are off by default. With no request in flight training runs slice
-after slice, and a new request waits for one slice at most.
+CPU: docs/benchmarks.md, "Training beside a step"), and a slice cannot be stopped once started. With requests in
+flight, a token's time is a step plus whatever runs before the next one, so after each step training may spend what
+the TPOT objective leaves (``tpot_s - step_s``): slices run while the next one's estimate (an exponential average of
+recent slices) fits in what is left. A request waiting for admission goes first: no slice starts that would end
+later than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over the TPOT
+objective) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
+has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
+closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on
+what waits too long. With no request in flight training runs slice after slice, and a new request waits for one
+slice at most.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
+from alchemist.runtime.objective import LatencyObjective
+
 logger = logging.getLogger(__name__)
 
-MAX_CREDIT_S = 1.0  # training credit saved up while serving is busy: at most this much in a burst
+MAX_KEPT_OUT_S = 1.0  # training with work kept out this long by serving takes one slice anyway
+SLICE_DECAY = 0.7  # weight of the past in the estimate of the next slice's time (a few slices' memory)
 
 
 class BackgroundWork(Protocol):
@@ -46,55 +49,62 @@ class TimeShare:
     def __init__(
         self,
         work: BackgroundWork,
-        has_arrivals: Callable[[], bool],
-        share: float,  # no defaults here: OnlineConfig's train_share and train_quantum_s are the one place
-        quantum_s: float,
+        objective: LatencyObjective,
+        waiting_since: Callable[[], float | None],
+        clock: Callable[[], float] = time.monotonic,
         on_slice: Callable[[float, bool], None] | None = None,
     ) -> None:
-        """``has_arrivals``: whether a request was added since the last engine step began (the engine's);
-        ``on_slice(seconds, serving)``: told each slice's time and whether requests were in flight (metrics)."""
+        """``waiting_since``: when the longest-waiting request not yet admitted arrived, on ``clock`` (the engine's,
+        ``time.monotonic``), or None; ``on_slice(seconds, serving)``: told each slice's time and whether requests
+        were in flight (metrics)."""
         self.work = work
+        self.objective = objective
+        self.waiting_since = waiting_since
+        self.clock = clock
         self.on_slice = on_slice
-        self.has_arrivals = has_arrivals
-        self.share = share
-        self.quantum_s = quantum_s
-        self.credit_s = 0.0
+        self.slice_s: float | None = None  # the next slice's estimate (None before the first)
+        self.kept_out_since: float | None = None  # since when training has had work and no slice
 
     def ready(self) -> bool:
         return self.work.has_work()
 
     def after_step(self, step_s: float) -> None:
-        """An engine step took ``step_s`` with requests in flight: earn credit, and take a turn if it is due."""
-        self.credit_s = min(2 * MAX_CREDIT_S, self.credit_s + step_s * self.share / (1.0 - self.share))
-        due = self.credit_s > 0 and self.credit_s >= self.quantum_s
-        # A request that arrived during the step goes first, unless training's credit is full: under a closed-loop
-        # load something arrives during nearly every step, and training never ran (bench soak).
-        if due and (not self.has_arrivals() or self.credit_s >= MAX_CREDIT_S):
-            self._run_turn()
-
-    def _run_turn(self) -> None:
-        """Training's turn while serving is busy: slices back to back until the credit is spent or the turn has
-        lasted ``quantum_s`` (credit saved up while training had no work is spent a turn at a time), training has
-        no work, or a request arrives (serving has priority: it ends the turn). But a full credit is first spent
-        below full: what a step earns past full is kept (up to twice full) and spent in the next turn, so that under
-        arrivals at every step training still gets its share, not one slice a step (bench soak: docs/benchmarks.md,
-        "Soak")."""
-        turn_s = 0.0
-        while self.credit_s > 0 and self.ready():
+        """An engine step took ``step_s`` with requests in flight: training's slices in what the objective leaves
+        before the next step, or one anyway if it has been kept out too long."""
+        left_s = self.objective.tpot_s - step_s
+        while self.ready() and self._fits(left_s):
             took_s = self.run_slice(serving=True)
-            self.credit_s -= took_s
-            turn_s += took_s
-            if (turn_s >= self.quantum_s or self.has_arrivals()) and self.credit_s < MAX_CREDIT_S:
-                return
+            if took_s <= 0:  # it failed: serving goes on
+                break
+            left_s -= took_s
+        if not self.ready():
+            self.kept_out_since = None
+            return
+        now = self.clock()
+        if self.kept_out_since is None:
+            self.kept_out_since = now
+        elif now - self.kept_out_since >= MAX_KEPT_OUT_S:
+            self.run_slice(serving=True)
+
+    def _fits(self, left_s: float) -> bool:
+        """Whether the next slice, as long as recent ones, ends within ``left_s`` and within the TTFT objective of
+        the request that has waited longest for admission."""
+        slice_s = self.slice_s or 0.0
+        if left_s <= 0 or slice_s > left_s:
+            return False
+        since = self.waiting_since()
+        return since is None or self.clock() + slice_s <= since + self.objective.ttft_s
 
     def run_slice(self, serving: bool = False) -> float:
         """One slice (``serving``: with requests in flight); returns the seconds it took (0 if it failed: the
         worker handles its own failures, this only keeps serving alive)."""
+        self.kept_out_since = None
         try:
             took_s = self.work.run_slice()
         except Exception:
             logger.exception("background work failed")
             return 0.0
+        self.slice_s = took_s if self.slice_s is None else SLICE_DECAY * self.slice_s + (1 - SLICE_DECAY) * took_s
         if self.on_slice is not None and took_s > 0:
             self.on_slice(took_s, serving)
         return took_s

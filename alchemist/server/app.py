@@ -202,6 +202,7 @@ def create_app(system: System) -> FastAPI:
     # around the built engine's stats, and Prometheus is the HTTP front's concern, not the runtime's.
     system.observe(metrics.observe, metrics.observe_step, metrics.observe_slice, metrics.observe_feedback)
     metrics.watch_feedback(system.feedback_log)
+    metrics.show_objective(system.objective.tpot_s, system.objective.ttft_s)
     if trainer is not None:
         metrics.watch_training(trainer)
     async_engine = system.async_engine

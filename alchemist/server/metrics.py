@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -261,6 +261,14 @@ class ServerMetrics:
     def watch_feedback(self, log: FeedbackLog) -> None:
         """Expose the feedback log's backlog (by class, with the oldest's age) and its entries by state."""
         self.registry.register(_FeedbackStateCollector(log))
+
+    def show_objective(self, tpot_s: float, ttft_s: float) -> None:
+        """Expose the latency objective serving keeps to (as set, or derived at start-up: alchemist.runtime)."""
+        for name, doc, value in (
+            ("slo_tpot_seconds", "The latency objective's time per output token (training yields to it).", tpot_s),
+            ("slo_ttft_seconds", "The latency objective's time to first token.", ttft_s),
+        ):
+            Gauge(PREFIX + name, doc, registry=self.registry).set(value)
 
     def watch_training(self, trainer) -> None:
         """Expose the online trainer's metrics (an OnlineTrainer)."""

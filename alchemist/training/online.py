@@ -30,8 +30,9 @@ Slices: all work is done in small slices (half a layer of a replay walk, a layer
 a publish's merge, a sample's loss, a recomputed group of samples trained together, an update, a checkpoint) from the
 thread that steps the engine, between its steps: serving waits for the slice in progress, so none may be long (groups
 are capped in rows: ``group_max_tokens``). Training never runs concurrently with serving: on this CPU that slowed decode
-steps severalfold (docs/benchmarks.md, "Training beside a step"). ``time_share.share`` bounds training's share of time
-while requests are in flight (the step loop's accounting); with none in flight, training takes what is free.
+steps severalfold (docs/benchmarks.md, "Training beside a step"). While requests are in flight training gets what the
+latency objective leaves between steps (the step loop's accounting: alchemist.runtime.time_share); with none in
+flight, training takes what is free.
 
 Rollback (``alchemist.training.lineage``) serves an earlier version again, as a new version (numbers only grow, so
 records' staleness stays meaningful): the adapter and optimizer state of the earlier version become the trainer's,

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from alchemist.engine import QueueFullError, SamplingParams
+from alchemist.engine.scheduler import MIN_PREFILL_TOKENS
 from tests.engine.helpers import random_prompts, run_to_end
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -199,3 +200,30 @@ def test_config_defaults_resolve_from_the_model(make_engine):
     engine = make_engine()
     assert engine.config.max_model_len == 512  # min(tiny model's max_position_embeddings, 4096)
     assert engine.config.num_kv_blocks == 16 * 512 // 16
+
+
+def test_prefill_beside_decodes_is_chunked_by_the_objective_to_the_same_tokens(make_engine):
+    """With a TPOT objective that no step can keep (1 ns), a prompt that arrives while another request decodes is
+    prefilled MIN_PREFILL_TOKENS a step, beside the decode; without one, in one step. The greedy fp32 tokens of both
+    requests are the same either way."""
+    first, long = random_prompts([5, 150], seed=6)
+
+    def serve(**config) -> tuple[dict[str, list[int]], list[tuple[int, int, float]]]:
+        engine = make_engine(max_num_batched_tokens=256, max_num_seqs=4, **config)
+        engine.add_request("first", first, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.step()  # its prefill, alone: the whole budget
+        engine.add_request("long", long, GREEDY)
+        tokens: dict[str, list[int]] = {}
+        steps = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] = list(out.output_token_ids)
+            steps.append(engine.last_step)
+        return tokens, steps
+
+    capped, capped_steps = serve(slo_tpot_s=1e-9)
+    whole, whole_steps = serve()
+    prefills = [(d, p) for d, p, _ in capped_steps if p > 0]
+    assert prefills == [(1, MIN_PREFILL_TOKENS)] * 4 + [(1, 150 - 4 * MIN_PREFILL_TOKENS)]  # beside first's decode
+    assert [(d, p) for d, p, _ in whole_steps if p > 0] == [(1, 150)]
+    assert capped == whole and len(capped["first"]) == 40 and len(capped["long"]) == 24

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from alchemist.engine.block_manager import BlockManager
-from alchemist.engine.scheduler import ScheduledBatch, Scheduler
+from alchemist.engine.scheduler import MIN_PREFILL_TOKENS, ScheduledBatch, Scheduler
 from alchemist.engine.sequence import SamplingParams, Sequence
 from alchemist.model.tokenizer import IncrementalDetokenizer
 from tests.engine.helpers import char_tokenizer
@@ -80,3 +80,42 @@ def test_out_of_blocks_preempts_the_newest_and_requeues_it_first():
         seq.finish("stop", 0.0)
     batch = simulate(scheduler)
     assert batch.seqs == [seqs[2]] and batch.num_tokens == [5]
+
+
+def test_the_prefill_cap_binds_only_while_decodes_run():
+    """``prefill_cap(num_decodes)`` (the engine's, from the latency objective) caps the prompt tokens of a step that
+    has decodes, never below MIN_PREFILL_TOKENS; a step without decodes takes the whole budget."""
+    scheduler = Scheduler(BlockManager(8, 1000, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    asked: list[int] = []
+
+    def cap(num_decodes: int) -> int:
+        asked.append(num_decodes)
+        return 40
+
+    alone = make_seq("alone", 300)
+    scheduler.add(alone)
+    assert scheduler.schedule(0.0, prefill_cap=cap).num_tokens == [256]  # no decode: the whole budget
+    assert asked == []
+    scheduler.remove(alone)
+    short, long = make_seq("short", 10), make_seq("long", 300)
+    scheduler.add(short)
+    simulate(scheduler)  # short is prefilled, and decodes from now on
+    scheduler.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        batch = scheduler.schedule(0.0, prefill_cap=cap)
+        assert batch.seqs[0] is short and batch.num_tokens[0] == 1  # the decode goes first, every step
+        chunks.append(batch.num_tokens[1])
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.advance(num)
+            if seq.num_uncomputed_tokens == 0:
+                seq.append_token(7, None, 0.0)
+    assert chunks == [40] * 7 + [20] and set(asked) == {1}
+    zero = Scheduler(BlockManager(8, 1000, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    short, long = make_seq("short", 10), make_seq("long", 300)
+    zero.add(short)
+    simulate(zero)
+    zero.add(long)
+    batch = zero.schedule(0.0, prefill_cap=lambda num_decodes: 0)  # the decodes alone fill the objective
+    assert batch.num_tokens == [1, MIN_PREFILL_TOKENS]
+    assert zero.schedule(0.0, prefill_cap=lambda num_decodes: None).num_tokens == [1, 255]  # no estimate: no cap

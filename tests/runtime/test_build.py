@@ -1,8 +1,8 @@
 """The runtime without HTTP: ``build_around`` a real engine on a tiny random model makes the system `alchemist serve`
-runs (feedback log and adapters under the data dir, the online trainer, its time share, the stepping loop), which
-serves a request and trains on a correction with no web framework in sight, its log in SQLite or PostgreSQL
-(``--feedback-db postgresql://...``); with training off, no trainer and no time share. (``build`` with the real
-model runs in every server test, through `alchemist serve`.)"""
+runs (feedback log and adapters under the data dir, the latency objective, the online trainer, its time share, the
+stepping loop), which serves a request and trains on a correction with no web framework in sight, its log in SQLite
+or PostgreSQL (``--feedback-db postgresql://...``); with training off, no trainer and no time share. (``build`` with
+the real model runs in every server test, through `alchemist serve`.)"""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def test_a_built_system_serves_and_trains_without_http(tiny_dirs, tmp_path: Path
     assert system.store is engine.store and system.names == ["tiny"]
     assert system.trainer is not None and system.time_share is not None
     assert system.async_engine.time_share is system.time_share
+    # the latency objective, derived from the tiny engine's probe steps: training yields to it, prefill is capped
+    assert system.time_share.objective is system.objective and engine.tpot_objective_s == system.objective.tpot_s
     if backend == "sqlite":
         assert (tmp_path / "feedback.sqlite").exists()  # the log under the data dir, as `alchemist serve` keeps it
     else:

@@ -57,3 +57,10 @@ def test_engine_steps_and_training_slices_histograms():
     assert 'alchemist:training_slice_seconds_count{serving="yes"} 2.0' in text
     assert 'alchemist:training_slice_seconds_bucket{le="0.1",serving="yes"} 1.0' in text
     assert 'alchemist:training_slice_seconds_count{serving="no"} 1.0' in text
+
+
+def test_the_latency_objective_is_shown():
+    metrics = ServerMetrics(lambda: _stats())
+    metrics.show_objective(tpot_s=0.033, ttft_s=0.5)
+    text = metrics.render().decode()
+    assert "alchemist:slo_tpot_seconds 0.033" in text and "alchemist:slo_ttft_seconds 0.5" in text
