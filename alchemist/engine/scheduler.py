@@ -24,7 +24,7 @@ into chunks changes; the tokens computed are the same.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from alchemist.engine.block_manager import BlockManager
@@ -86,7 +86,7 @@ class Scheduler:
         never below ``MIN_PREFILL_TOKENS``."""
         chosen: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefill chunks
         preempted: list[Sequence] = []
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        decoding = {s: None for s in self.running if s.num_uncomputed_tokens == 1}  # a set, in running order
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
         self._schedule_running(decoding, decoding, self.max_num_batched_tokens, chosen, preempted)
         num_decodes = len(chosen)
@@ -100,15 +100,15 @@ class Scheduler:
         self.num_preemptions += len(preempted)
         return ScheduledBatch(list(chosen), list(chosen.values()), preempted, copies)
 
-    def _room(self, chosen: dict[Sequence, int], decoding: list[Sequence], max_prefill: int) -> int:
+    def _room(self, chosen: dict[Sequence, int], decoding: dict[Sequence, None], max_prefill: int) -> int:
         """Tokens a prefill chunk may still take: what the step's budget leaves, and the prefill cap."""
         num_prefill = sum(num for seq, num in chosen.items() if seq not in decoding)
         return min(self.max_num_batched_tokens - sum(chosen.values()), max_prefill - num_prefill)
 
     def _schedule_running(
         self,
-        seqs: list[Sequence],
-        decoding: list[Sequence],
+        seqs: Iterable[Sequence],
+        decoding: dict[Sequence, None],
         max_prefill: int,
         chosen: dict[Sequence, int],
         preempted: list[Sequence],
