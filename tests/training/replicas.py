@@ -97,6 +97,11 @@ def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, cases
         own = samples[first : first + case.shares[rank]]
         veto = bool(case.vetoes) and case.vetoes[rank]
         seen[name] = take_steps(models[case.dtype], case, own, first, data_parallel, veto)
+    seen["sums"] = run_to_end(data_parallel.sum_slices([rank + 1.0, 0.5]))
+    try:  # replicas at different adapter versions: every one refuses the step
+        run_to_end(data_parallel.count_slices(1, rank, 10))
+    except RuntimeError as refused:
+        seen["out of lockstep"] = str(refused)
     torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -105,7 +110,8 @@ def run_replicas(
     tmp_path: Path, model_dir: Path, cases: dict[str, Case], samples, timeout_s: float = 120.0
 ) -> list[dict[str, Steps]]:
     """Every case's steps on ``world_size`` replicas (spawned processes, a gloo group through a file in
-    ``tmp_path``); what each replica saw, by rank."""
+    ``tmp_path``); what each replica saw, by rank (and under "sums" and "out of lockstep", what ``sum_slices`` and
+    ``count_slices`` answered)."""
     world_size = len(next(iter(cases.values())).shares)
     args = (world_size, f"file://{tmp_path / 'rendezvous'}", Path(model_dir), cases, samples, str(tmp_path))
     context = mp.start_processes(_replica, args, nprocs=world_size, join=False, start_method="spawn")

@@ -106,6 +106,11 @@ def test_the_steps_clip_and_local_counts_would_show(models, samples):
     assert max_rel_l2(alone.grads[0], local) > 100 * RTOL
 
 
+def test_replicas_sum_their_counts_and_refuse_a_step_out_of_lockstep(replicas):
+    assert [seen["sums"] for seen in replicas] == [[3.0, 1.0]] * 2
+    assert all("out of lockstep" in seen["out of lockstep"] for seen in replicas)
+
+
 def test_the_backend_follows_the_device():
     assert backend_for(torch.device("cpu")) == "gloo"
     assert backend_for(torch.device("cuda", 0)) == "nccl"
