@@ -6,6 +6,8 @@ prompt) -> loss -> backward (accumulated over the batch) -> update (clip, optimi
 kind's ranks. Publishing the version is the caller's (``alchemist.training.online``: once per
 mini-batch, after its steps and the evaluation gate). Samples go through the model in groups (``group_size`` of them,
 ``group_max_tokens`` rows at most): a group's replayable samples in one walk, its others in one recompute forward.
+With ``data_parallel`` (``alchemist.training.data_parallel``) the step is one of several replicas' together: the
+losses are scaled by the global sample count and the gradients all-reduced before the update.
 
 A record is used only if it covers the sample's prompt and is fresh: made with adapter version v, it is used
 while the current version <= v + max_staleness (0: exact replay only). Otherwise the sample is recomputed. A pass of
@@ -27,6 +29,7 @@ from alchemist.activations.store import RecordUnavailable
 from alchemist.config import TrainerConfig
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
+from alchemist.training.data_parallel import DataParallel
 from alchemist.training.hedge import CostModel
 from alchemist.training.losses import Targets
 from alchemist.training.objectives import PreferenceTerm, preference_loss
@@ -65,15 +68,16 @@ class Sample:
 
 @dataclass
 class StepResult:
-    loss: float  # the mean of the samples' losses (before the update)
-    num_samples: int
+    loss: float  # the mean of the samples' losses (before the update); data-parallel: of every replica's samples
+    num_samples: int  # this replica's
     response_tokens: int
     replayed: int
     recomputed: int
     adapter_version: int
     step_s: float  # from the first slice to the last (serving's turns between them included)
     passes: list[tuple[float, bool]]  # each sample's (loss, whether it was replayed), in order
-    updated: bool = True  # False: ``screen`` refused the step (gradients dropped, no update)
+    updated: bool = True  # False: ``screen`` refused the step (gradients dropped, no update); data-parallel: any's
+    allreduce_s: float = 0.0  # data-parallel: the step's collectives, launch to completion (waits included)
 
 
 class Trainer:
@@ -83,6 +87,7 @@ class Trainer:
         adapter: LoraAdapter,
         store: RecordSource | None = None,
         config: TrainerConfig | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -94,6 +99,7 @@ class Trainer:
         self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
         self.protected: ProtectedSubspace | None = None  # directions each update keeps out of the adapter's A
         self.split: RankSplit | None = None  # ranks only preference objectives train (alchemist.training.rank_split)
+        self.data_parallel = data_parallel  # None: this process's step alone
 
     def step_slices(
         self,
@@ -103,13 +109,26 @@ class Trainer:
     ) -> Generator[None, None, StepResult]:
         """One optimizer step over ``samples`` (each loss scaled by ``loss_scales``, default 1/N), in slices. Where
         ``screen`` is given, it sees each sample's (loss, replayed) before the update, and False drops the gradients
-        instead (no update: the poisoning guard's veto)."""
-        if not samples:
+        instead (no update: the poisoning guard's veto). Data-parallel, every replica calls it at once, with its
+        own samples (maybe none): N, the scales and the veto are the step's over all replicas."""
+        dp = self.data_parallel
+        t0, collective_s = time.perf_counter(), dp.collective_s if dp else 0.0
+        num_total, allreduce_s = len(samples), 0.0
+        if dp is not None:  # every replica's count first: the losses are scaled by the global one
+            num_values = sum(p.numel() for p in self.adapter.parameters())
+            num_total = yield from dp.count_slices(len(samples), self.adapter.version, num_values)
+        if not num_total:
             raise ValueError("a training step needs at least one sample")
-        t0 = time.perf_counter()
-        scales = loss_scales if loss_scales is not None else [1.0 / len(samples)] * len(samples)
+        scales = loss_scales if loss_scales is not None else [1.0 / num_total] * len(samples)
         passes = yield from self.backward_slices(samples, scales)  # fetch records -> replay or recompute -> loss
         updated = screen is None or screen(passes)
+        loss_sum = sum(loss for loss, _ in passes)
+        if dp is not None:  # gradients summed over the replicas (vetoes and losses with them), then clipped alike
+            reduced = yield from dp.reduce_slices(self.adapter.parameters(), not updated, loss_sum)
+            updated, loss_sum = not reduced.vetoed, reduced.loss_sum
+            allreduce_s = dp.collective_s - collective_s
+            self.stats.allreduce_s += allreduce_s
+            self.stats.last_allreduce_s = allreduce_s
         if updated:
             yield
             self.update()  # clip -> optimizer step -> protected directions out -> version + 1
@@ -117,7 +136,7 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            loss=sum(loss for loss, _ in passes) / len(samples),
+            loss=loss_sum / num_total,
             num_samples=len(samples),
             response_tokens=sum(len(s.response_ids) for s in samples),
             replayed=sum(replayed for _, replayed in passes),
@@ -126,6 +145,7 @@ class Trainer:
             step_s=time.perf_counter() - t0,
             passes=passes,
             updated=updated,
+            allreduce_s=allreduce_s,
         )
 
     def backward_slices(
