@@ -91,7 +91,7 @@ def plot_serving(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{metric.upper()} p50 (solid) / p99 (dashed)")
     axes[0][0].legend(fontsize=7)
     trained = [run for run in runs if any(r["run"] == run and r["training"] == "on" for r in rows)]
-    for ax, (field, label) in zip(axes[1], (("served_p50_s", "median"), ("served_max_s", "slowest")), strict=True):
+    for ax, (field, label) in zip(axes[1][:2], (("served_p50_s", "median"), ("served_max_s", "slowest")), strict=True):
         for run in trained:
             mine = [r for r in rows if r["run"] == run]
             ax.plot([r["rate"] for r in mine], [r[field] for r in mine], marker="o", color=f"C{runs.index(run)}",
