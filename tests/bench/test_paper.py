@@ -26,7 +26,7 @@ FLAGS = [
     *("--max-num-seqs", "4", "--record-budget-mb", "256", "--train-batch-size", "2", "--train-max-wait-s", "0.2"),
     *("--train-epochs", "1", "--train-protect-energy", "0", "--train-rehearse-corrections", "0", "--train-no-gate"),
     # and no well-known facts as anchors: making theirs was three quarters of a tiny step's time (8.7 s of training
-    # for two corrections with them, 2.3 s without, on a busy 2-core Zen 4)
+    # for two corrections with them, 2.3 s without, on a busy 2-core Xeon)
     *("--train-anchor-known-facts", "0"),
 ]
 
