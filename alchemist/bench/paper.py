@@ -206,6 +206,14 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--buckets needs at least two edges, --budget-mib must be > 0")
     if args.rates is not None and (len(args.rates) == 0 or min(args.rates) <= 0):
         raise ValueError("--rates must be > 0")
+    if not args.rate_fractions or min(args.rate_fractions) <= 0 or not 0.0 <= args.feedback_fraction <= 1.0:
+        raise ValueError("--rate-fractions must be > 0, --feedback-fraction in [0, 1]")
+    if "serving" in args.claims:
+        from alchemist.bench.paper_serving import RUNS
+
+        for run in args.runs:
+            if run not in RUNS:
+                raise ValueError(f"--runs: unknown run {run!r}; choose from {list(RUNS)}")
 
 
 def run_note(args: argparse.Namespace) -> str:
