@@ -98,6 +98,16 @@ def test_bench_online_takes_serve_flags():
     assert done.returncode == 2 and "--train-lr must be positive" in done.stderr, done.stderr
 
 
+def test_bench_paper_takes_serve_flags():
+    """`bench paper`, like `bench online`: --model and every serve flag go to serve's parser, its own flags stay."""
+    from alchemist.cli import _serve_flags
+
+    argv = ["bench", "paper", "--model", "m", "--buckets", "0", "128", "--lora-r", "8", "--rates", "1", "2", "--json"]
+    rest, serve = _serve_flags(argv)
+    assert rest == ["bench", "paper", "--buckets", "0", "128", "--rates", "1", "2", "--json"]
+    assert serve == ["--model", "m", "--lora-r", "8"]
+
+
 def test_serve_with_the_example_config_answers(tmp_path):
     """`alchemist serve --config examples/serve.yaml` serves: one chat completion through the official client."""
     from tests.server.conftest import MODEL_NAME, launch_server, wait_ready

@@ -55,3 +55,30 @@ def make_tiny_hf_dir(root: Path, variant: str, seed: int = 0) -> Path:
     out = root / variant
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def make_tiny_chat_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with the default model's tokenizer and chat template (its vocabulary, so ShareGPT text
+    encodes to valid ids), saved to ``root/tiny-chat``: what a benchmark that serves chat requests needs, in
+    seconds rather than the real model's minutes."""
+    import shutil
+
+    import transformers
+
+    from alchemist.model.loader import hf_dir_for
+
+    source = hf_dir_for(None)
+    out = root / "tiny-chat"
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    vocab_size = transformers.AutoConfig.from_pretrained(source).vocab_size
+    config = transformers.LlamaConfig(
+        **{**TINY, "vocab_size": vocab_size, "max_position_embeddings": 2048},
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

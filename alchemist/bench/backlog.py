@@ -8,6 +8,12 @@
 Each sample reads the server's /metrics (``alchemist:feedback_backlog{kind=...}``: acknowledged feedback neither
 trained nor skipped, by class, and the age of each class's oldest) from a thread of its own, so the load's event
 loop never waits for it; one scrape every few seconds costs the server a SQLite count.
+
+Its other face, how long each correction waited to be served: ``TrainedThrough`` polls the feedback log position the
+newest adapter version has trained through (``bench online``'s ``trained_through``) from a thread of its own, and
+``served_after(seq, at)`` says how long after ``at`` (a ``time.perf_counter()``, e.g. the correction's
+acknowledgement) a version that trained entry ``seq`` was first seen (None: not by ``stop()``); the error is at most
+one interval.
 """
 
 from __future__ import annotations
@@ -62,3 +68,39 @@ class BacklogSampler:
 
     def _elapsed(self) -> float:
         return round(time.perf_counter() - self._t0, 1)
+
+
+class TrainedThrough:
+    def __init__(self, read_position: Callable[[], int], interval_s: float) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"the polling interval must be > 0 (got {interval_s!r})")
+        self.read_position = read_position
+        self.interval_s = interval_s
+        self.seen: list[tuple[float, int]] = []  # (perf_counter, position) where the position grew
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trained-through", daemon=True)
+
+    def start(self) -> TrainedThrough:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+
+    def served_after(self, seq: int, at: float) -> float | None:
+        return next((max(0.0, t - at) for t, position in self.seen if position >= seq), None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._stop.wait(self.interval_s)
+
+    def _poll(self) -> None:
+        try:
+            position = self.read_position()
+        except Exception:  # a missed poll widens one correction's error, it does not fail the benchmark
+            return
+        if not self.seen or position > self.seen[-1][1]:
+            self.seen.append((time.perf_counter(), position))

@@ -27,7 +27,7 @@ def _model_flags(p: argparse.ArgumentParser, **defaults: object) -> None:
 def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     bench = sub.add_parser("bench", help="benchmarks (each takes --json: one JSON object per table row)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    for register_one in (_forward, _serve, _train, _memory, _online, _learn, _ui, _soak):
+    for register_one in (_forward, _serve, _train, _memory, _online, _learn, _ui, _soak, _paper):
         register_one(bsub)
     return bsub
 
@@ -224,3 +224,49 @@ def _soak(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_runs("soak"))
+
+
+def _paper(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "paper", help="the paper's evaluation on ShareGPT in one run: training throughput, memory, tokens per step "
+        "under a budget, serving latency (--out DIR: rows and PNG plots)",
+        epilog="Every `alchemist serve` flag (and --config FILE) sets the model (--model), the record dtype and the "
+        "adapter's rank of every claim, and the servers of the serving claim (defaults as `bench online`'s).",
+    )  # fmt: skip
+    p.add_argument("--claims", nargs="+", default=["throughput", "memory", "budget", "serving"],
+                   help="throughput, memory, budget and/or serving")  # fmt: skip
+    p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT sampling and arrivals")
+    # throughput and memory
+    p.add_argument("--buckets", type=int, nargs="+", default=[0, 256, 512, 1024, 2048, 4096],
+                   help="throughput, memory: prompt-length bucket edges, each bucket (lo, hi]")  # fmt: skip
+    p.add_argument("--sharegpt-samples", type=int, default=1000, help="conversations the buckets' samples come from")
+    p.add_argument("--response-tokens", type=int, default=128, help="a sample's reply cut to this")
+    p.add_argument("--repeats", type=int, default=3, help="throughput: timed steps per way (medians, interleaved)")
+    p.add_argument("--no-peft", action="store_true", help="skip the transformers + PEFT baseline")
+    # budget
+    p.add_argument("--budget-mib", type=float, default=1024, help="budget: transient step memory (`bench memory`'s)")
+    p.add_argument("--budget-grid", type=int, nargs="+", default=None, help="budget: prompt lengths probed (R = 128)")
+    # serving
+    p.add_argument("--runs", nargs="+", default=["off", "record", "train", "train_recompute"],
+                   help="serving: off, record (recording on), train (recording and training on), train_recompute "
+                   "(training on, recording off)")  # fmt: skip
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="serving: requests per second (Poisson; "
+                   "default: --rate-fractions of the measured capacity)")  # fmt: skip
+    p.add_argument("--rate-fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0],
+                   help="serving: of the requests per second one server completes of --capacity-requests sent at "
+                   "once")  # fmt: skip
+    p.add_argument("--capacity-requests", type=int, default=32, help="serving: the capacity probe's requests")
+    p.add_argument("--requests-per-rate", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=768, help="serving: ShareGPT prompts longer are skipped")
+    p.add_argument("--max-tokens", type=int, default=128, help="serving: cap on output tokens and on corrections")
+    p.add_argument("--feedback-fraction", type=float, default=0.125, help="serving: responses corrected")
+    p.add_argument("--drain-s", type=float, default=180.0, help="serving: after each rate's load, training may "
+                   "finish for this long")  # fmt: skip
+    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="serving: how often the backlog is sampled")
+    p.add_argument("--served-interval-s", type=float, default=0.5,
+                   help="serving: how often the trained adapter's log position is read (time to serve's "
+                   "resolution)")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="a directory: rows.jsonl, note.txt and one PNG per claim")
+    p.set_defaults(func=_runs("paper"), serve_base=online_servers)

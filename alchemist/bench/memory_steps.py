@@ -75,14 +75,22 @@ class StepSet:
         prefetch_depth: int = TrainerConfig.prefetch_depth,
         lora_r: int = 16,
         record_dir: str | Path | None = None,
+        tokens: tuple[list[int], list[int]] | None = None,
     ) -> None:
+        """``tokens``: the sample's (prompt, response) ids, ``num_prompt`` and ``num_response`` long (default:
+        random ids)."""
         modes = list(modes)
         for mode in modes:
             if mode not in ("recompute", "replay_memory") and not mode.startswith("replay_disk"):
                 raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
-        g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
-        prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g)
-        response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
+        if tokens is None:
+            g = torch.Generator().manual_seed(num_prompt * 7 + num_response)
+            prompt = torch.randint(0, model.config.vocab_size, (num_prompt,), generator=g)
+            response = torch.randint(0, model.config.vocab_size, (num_response,), generator=g)
+        else:
+            prompt, response = torch.tensor(tokens[0]), torch.tensor(tokens[1])
+            if (len(prompt), len(response)) != (num_prompt, num_response):
+                raise ValueError(f"tokens are {len(prompt)}x{len(response)}, not {num_prompt}x{num_response}")
         self.sample = Sample(prompt.tolist(), response.tolist(), RECORD_ID)
         adapter = LoraAdapter(model.config, LoraConfig(r=lora_r, alpha=2.0 * lora_r), seed=0)
         config = TrainerConfig(prefetch_depth=prefetch_depth, max_staleness=0)  # exact replays only (see above)

@@ -88,6 +88,7 @@ class RequestResult:
     num_tokens: int
     feedback_seq: int | None  # the feedback entry's log position ("fb-<seq>"), if it got feedback
     itl_s: list[float]  # the gaps between its streamed content chunks after the first (vLLM's ITL)
+    feedback_at: float | None = None  # time.perf_counter() when the server acknowledged its feedback
 
 
 def _ms(seconds: float) -> str:
@@ -130,15 +131,20 @@ class Server:
     log_path: Path
 
 
-def start_server(args: argparse.Namespace, run: str, workdir: Path) -> Server:
+def start_server(
+    args: argparse.Namespace, run: str, workdir: Path, flags: list[str] | None = None, record_policy: str = "requested"
+) -> Server:
+    """`alchemist serve` with the bench's serve flags, ``--record-policy record_policy`` and ``flags`` (default: the
+    run's, ``RUNS[run]``)."""
     port = _free_port()
     serve = args.serve  # every serve flag given to the bench (bench/cli.py's online_servers: its defaults)
     serve.engine.max_model_len = args.max_prompt_tokens + args.max_tokens + 8  # + a correction's end, re-encoding
-    serve.record.policy = "requested"
+    serve.record.policy = record_policy
     config_path = workdir / "serve.yaml"
     config_path.write_text(yaml.safe_dump(as_dict(serve), sort_keys=False))
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--config", str(config_path), "--port", str(port)]
-    cmd += ["--served-model-name", MODEL_NAME, "--data-dir", str(workdir / "data"), *RUNS[run]]
+    flags = RUNS[run] if flags is None else flags
+    cmd += ["--served-model-name", MODEL_NAME, "--data-dir", str(workdir / "data"), *flags]
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -199,12 +205,12 @@ async def _request(client, http: httpx.AsyncClient, url: str, work: Workload, i:
     e2e_s = clock.elapsed_s()
     if clock.first is None or num_tokens != work.max_tokens[i]:
         raise RuntimeError(f"request {i}: {num_tokens} tokens streamed, {work.max_tokens[i]} asked for")
-    seq = None
+    seq = at = None
     if work.feedback[i] is not None:
         answer = await http.post(url + "/v1/feedback", json={"response_id": response_id, **work.feedback[i]})
         answer.raise_for_status()
-        seq = int(answer.json()["id"].removeprefix("fb-"))
-    return RequestResult(clock.ttft_s, e2e_s, num_tokens, seq, clock.gaps)
+        seq, at = int(answer.json()["id"].removeprefix("fb-")), time.perf_counter()
+    return RequestResult(clock.ttft_s, e2e_s, num_tokens, seq, clock.gaps, at)
 
 
 def run_load(url: str, work: Workload, indices: list[int]) -> tuple[list[RequestResult | BaseException], float]:
@@ -235,35 +241,53 @@ def bench_run(args: argparse.Namespace, run: str, work: Workload) -> tuple[dict,
     workdir = Path(tempfile.mkdtemp(prefix=f"alchemist-bench-online-{run}-"))
     server = start_server(args, run, workdir)
     try:
-        warmup = Workload([work.warmup_chat], [8], [None], [0.0], work.warmup_chat, [])
-        run_load(server.url, warmup, [0])  # first-call costs (allocations, the client's connection) not measured
-        before = scrape(server.url)
-        backlog = BacklogSampler(lambda: scrape(server.url), args.backlog_interval_s).start()
-        results, duration_s = run_load(server.url, work, list(range(len(work.chats))))
-        after_load = scrape(server.url)
-        backlog.phase = "drain"
-        done = [r for r in results if isinstance(r, RequestResult)]
-        for e in [r for r in results if not isinstance(r, RequestResult)][:3]:
-            print(f"# {run}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
-        row = summarize(run, done, len(results) - len(done), duration_s)
-        row.update(waits(before, after_load))
-        if run != "off":
-            last_seq = max((r.feedback_seq for r in done if r.feedback_seq is not None), default=0)
-            drain_start = time.perf_counter()
-            while not (drained := trained_through(server.url) >= last_seq):
-                if time.perf_counter() - drain_start > args.drain_s:
-                    break
-                time.sleep(1.0)
-            row.update(training_numbers(before, after_load, scrape(server.url)))
-            row.update(drain_s=round(time.perf_counter() - drain_start, 1), drained=drained)
-        samples = [{"backlog_of": run, **s} for s in backlog.stop()]
+        warm_up(server.url, work)
+        row, samples, _ = measure_load(server.url, args, run, work, train=run != "off")
     finally:
         stop_server(server)
     shutil.rmtree(workdir / "data", ignore_errors=True)  # the log stays, for a look afterwards
     print(f"# {run}: server log {server.log_path}", file=sys.stderr)
+    return row, samples
+
+
+def warm_up(url: str, work: Workload) -> None:
+    """One short request: first-call costs (allocations, the client's connection) are not measured."""
+    run_load(url, Workload([work.warmup_chat], [8], [None], [0.0], work.warmup_chat, []), [0])
+
+
+def measure_load(
+    url: str, args: argparse.Namespace, run: str, work: Workload, train: bool, watch=None
+) -> tuple[dict, list[dict], list[RequestResult]]:
+    """The load of ``work`` on a running server, then (``train``) the drain: the row, the backlog samples
+    (``backlog_of``: ``run``) and the requests' results. ``watch``, if given, is started before the load and stopped
+    after the drain (e.g. ``backlog.TrainedThrough``)."""
+    before = scrape(url)
+    backlog = BacklogSampler(lambda: scrape(url), args.backlog_interval_s).start()
+    if watch is not None:
+        watch.start()
+    results, duration_s = run_load(url, work, list(range(len(work.chats))))
+    after_load = scrape(url)
+    backlog.phase = "drain"
+    done = [r for r in results if isinstance(r, RequestResult)]
+    for e in [r for r in results if not isinstance(r, RequestResult)][:3]:
+        print(f"# {run}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+    row = summarize(run, done, len(results) - len(done), duration_s)
+    row.update(waits(before, after_load))
+    if train:
+        last_seq = max((r.feedback_seq for r in done if r.feedback_seq is not None), default=0)
+        drain_start = time.perf_counter()
+        while not (drained := trained_through(url) >= last_seq):
+            if time.perf_counter() - drain_start > args.drain_s:
+                break
+            time.sleep(1.0)
+        row.update(training_numbers(before, after_load, scrape(url)))
+        row.update(drain_s=round(time.perf_counter() - drain_start, 1), drained=drained)
+    if watch is not None:
+        watch.stop()
+    samples = [{"backlog_of": run, **s} for s in backlog.stop()]
     queued = [s["queued"] for s in samples if "queued" in s]
     row.update(backlog_max=max(queued, default=None), backlog_end=queued[-1] if queued else None)
-    return row, samples
+    return row, samples, done
 
 
 def summarize(run: str, results: list[RequestResult], failed: int, duration_s: float) -> dict:

@@ -45,13 +45,13 @@ def peak_in_subprocess(mode: str, num_prompt: int, num_response: int, model: str
 def memory_probe(mode: str, num_prompt: int, num_response: int, model: str | None, record_dtype: str) -> float:
     hf_dir = hf_dir_for(model)
     base = build_model(hf_dir, torch.float32)
-    peft_model = _peft_model(hf_dir, LoraAdapter(base.config, seed=0)) if mode == "peft" else None
+    peft_model = build_peft_model(hf_dir, LoraAdapter(base.config, seed=0)) if mode == "peft" else None
     steps = make_steps(base, num_prompt, num_response, getattr(torch, record_dtype), peft_model)
     steps[mode]()  # warm-up: optimizer state and one-time allocations are not transient
     return transient_peak_mib(steps[mode])
 
 
-def _peft_model(hf_dir: Path, adapter: LoraAdapter):
+def build_peft_model(hf_dir: Path, adapter: LoraAdapter):
     import peft
     import transformers
 
@@ -172,7 +172,7 @@ def run_shape(model, num_prompt: int, num_response: int, args, peft_model) -> di
 def main(args: argparse.Namespace) -> int:
     hf_dir = hf_dir_for(args.model)
     model = build_model(hf_dir, torch.float32)
-    peft_model = None if args.no_peft else _peft_model(hf_dir, LoraAdapter(model.config, seed=0))
+    peft_model = None if args.no_peft else build_peft_model(hf_dir, LoraAdapter(model.config, seed=0))
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
     rows = []
     for num_prompt, num_response in shapes:
