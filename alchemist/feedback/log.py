@@ -28,8 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -247,6 +248,55 @@ def encode_ids(ids: Sequence[int]) -> bytes:
 
 def decode_ids(blob: bytes) -> list[int]:
     return np.frombuffer(blob, dtype="<i4").tolist()
+
+
+# The stored form, shared by the SQL backends (sqlite_log, postgres_log): the columns an append binds, in order (the
+# state's defaults apply), and an entry's class (``CLASSES``) from its columns, in SQL both dialects read.
+INSERTED = (
+    "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
+    "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
+    "comment", "feedback_id", "metadata", "key_name",
+)  # fmt: skip
+CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
+    WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
+
+
+def new_row(
+    *,
+    response_id: str,
+    kind: str,
+    prompt_token_ids: Sequence[int],
+    response_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    adapter_version: int,
+    recorded: bool,
+    rating: int | None,
+    correction: str | None,
+    preferred_over: str | None,
+    rejected_token_ids: Sequence[int] | None,
+    comment: str | None,
+    feedback_id: str | None,
+    metadata: dict[str, Any] | None,
+    key_name: str | None,
+) -> tuple[str, tuple]:
+    """An append's entry checked (``check_entry``): its idempotency key and its ``INSERTED`` values."""
+    check_entry(kind, rating, rejected_token_ids, metadata)
+    key = idempotency_key(response_id, rating, correction, preferred_over, comment, metadata, feedback_id)
+    rejected = None if rejected_token_ids is None else encode_ids(rejected_token_ids)
+    encoded = None if metadata is None else json.dumps(metadata, ensure_ascii=False)
+    return key, (key, response_id, kind, rating, correction, preferred_over, encode_ids(prompt_token_ids),
+                 encode_ids(response_token_ids), encode_ids(output_token_ids), rejected, int(adapter_version),
+                 bool(recorded), time.time(), comment, feedback_id, encoded, key_name)  # fmt: skip
+
+
+def entry_from_row(row: Mapping[str, Any]) -> FeedbackEntry:
+    """A stored row (every column, by name) as the entry it holds."""
+    values = {f.name: row[f.name] for f in fields(FeedbackEntry)}
+    for name in ("prompt_token_ids", "response_token_ids", "output_token_ids", "rejected_token_ids"):
+        values[name] = None if row[name] is None else decode_ids(row[name])
+    values["metadata"] = None if row["metadata"] is None else json.loads(row["metadata"])
+    values["recorded"] = bool(row["recorded"])  # SQLite stores it as 0 / 1
+    return FeedbackEntry(**values)
 
 
 class Listeners:

@@ -32,7 +32,6 @@ with it). Tables: ``alchemist.feedback.postgres_schema``.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import threading
@@ -44,25 +43,19 @@ import psycopg
 from psycopg.rows import dict_row
 
 from alchemist.feedback.log import (
+    CLASS,
     CLASSES,
+    INSERTED,
     KINDS,
     STATES,
     FeedbackEntry,
     Listeners,
-    check_entry,
-    decode_ids,
-    encode_ids,
-    idempotency_key,
+    entry_from_row,
+    new_row,
 )
 from alchemist.feedback.postgres_schema import APPEND_LOCK, LOCK_CLASS, migrate
-from alchemist.feedback.sqlite_log import CLASS
 
-_INSERTED = (
-    "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
-    "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
-    "comment", "feedback_id", "metadata", "key_name",
-)  # fmt: skip
-_INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join(['%s'] * len(_INSERTED))}) RETURNING *"
+_INSERT = f"INSERT INTO feedback ({', '.join(INSERTED)}) VALUES ({', '.join(['%s'] * len(INSERTED))}) RETURNING *"
 _COUNTED = {"kind": KINDS, "state": STATES}
 # The owners alive now: those whose one-key advisory lock (objsubid 1) is held in this database.
 _LIVE = """SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
@@ -121,26 +114,12 @@ class PostgresFeedbackLog:
         metadata: dict[str, Any] | None = None,
         key_name: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
-        check_entry(kind, rating, rejected_token_ids, metadata)
-        key = idempotency_key(response_id, rating, correction, preferred_over, comment, metadata, feedback_id)
-        row = (
-            key,
-            response_id,
-            kind,
-            rating,
-            correction,
-            preferred_over,
-            encode_ids(prompt_token_ids),
-            encode_ids(response_token_ids),
-            encode_ids(output_token_ids),
-            None if rejected_token_ids is None else encode_ids(rejected_token_ids),
-            int(adapter_version),
-            bool(recorded),
-            time.time(),
-            comment,
-            feedback_id,
-            None if metadata is None else json.dumps(metadata, ensure_ascii=False),
-            key_name,
+        key, row = new_row(
+            response_id=response_id, kind=kind, prompt_token_ids=prompt_token_ids,
+            response_token_ids=response_token_ids, output_token_ids=output_token_ids, adapter_version=adapter_version,
+            recorded=recorded, rating=rating, correction=correction, preferred_over=preferred_over,
+            rejected_token_ids=rejected_token_ids, comment=comment, feedback_id=feedback_id, metadata=metadata,
+            key_name=key_name,
         )
         with self._lock:
             db = self._db()
@@ -151,7 +130,7 @@ class PostgresFeedbackLog:
                 created = found is None
                 if created:
                     found = db.execute(_INSERT, row).fetchone()
-        entry = _entry(found)
+        entry = entry_from_row(found)
         if created:
             self._listeners.notify(entry)  # after the commit, outside the lock: a listener may read the log
         return entry, created
@@ -209,7 +188,7 @@ class PostgresFeedbackLog:
                     "UPDATE feedback SET claimed_by = %(me)s WHERE seq = ANY(%(head)s) RETURNING *",
                     {"me": self.owner, "head": head},
                 ).fetchall()
-        by_seq = {r["seq"]: _entry(r) for r in rows}
+        by_seq = {r["seq"]: entry_from_row(r) for r in rows}
         return [by_seq[seq] for seq in head]
 
     def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
@@ -322,12 +301,12 @@ class PostgresFeedbackLog:
     def _one(self, query: str, args: tuple) -> FeedbackEntry | None:
         with self._lock:
             row = self._execute(query, args).fetchone()
-        return None if row is None else _entry(row)
+        return None if row is None else entry_from_row(row)
 
     def _all(self, query: str, args: tuple) -> list[FeedbackEntry]:
         with self._lock:
             rows = self._execute(query, args).fetchall()
-        return [_entry(r) for r in rows]
+        return [entry_from_row(r) for r in rows]
 
     def _settle(self, seqs: Sequence[int], assignment: str, args: tuple) -> int:
         if not seqs:
@@ -336,34 +315,3 @@ class PostgresFeedbackLog:
         with self._lock:  # one statement: its own transaction, durable (synchronous_commit) when it returns
             return self._execute(query, (*args, time.time(), [int(s) for s in seqs])).rowcount
 
-
-def _entry(row: dict[str, Any]) -> FeedbackEntry:
-    rejected = row["rejected_token_ids"]
-    return FeedbackEntry(
-        seq=row["seq"],
-        idempotency_key=row["idempotency_key"],
-        response_id=row["response_id"],
-        kind=row["kind"],
-        rating=row["rating"],
-        correction=row["correction"],
-        preferred_over=row["preferred_over"],
-        prompt_token_ids=decode_ids(row["prompt_token_ids"]),
-        response_token_ids=decode_ids(row["response_token_ids"]),
-        output_token_ids=decode_ids(row["output_token_ids"]),
-        rejected_token_ids=None if rejected is None else decode_ids(rejected),
-        adapter_version=row["adapter_version"],
-        recorded=row["recorded"],
-        created_s=row["created_s"],
-        comment=row["comment"],
-        feedback_id=row["feedback_id"],
-        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
-        state=row["state"],
-        trained_version=row["trained_version"],
-        skip_reason=row["skip_reason"],
-        settled_s=row["settled_s"],
-        quarantine_reason=row["quarantine_reason"],
-        quarantine_loss=row["quarantine_loss"],
-        quarantined_s=row["quarantined_s"],
-        released_s=row["released_s"],
-        key_name=row["key_name"],
-    )

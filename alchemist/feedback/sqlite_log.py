@@ -9,7 +9,6 @@ migrations: ``alchemist.feedback.schema``.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
@@ -18,28 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from alchemist.feedback.log import (
+    CLASS,
     CLASSES,
+    INSERTED,
     KINDS,
     STATES,
     FeedbackEntry,
     Listeners,
-    check_entry,
-    decode_ids,
-    encode_ids,
-    idempotency_key,
+    entry_from_row,
+    new_row,
 )
 from alchemist.feedback.schema import migrate
 
-# An entry's class (``CLASSES``) from its columns.
-CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
-    WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
-
-_INSERTED = (  # the columns append() binds, in its order (the state's defaults apply)
-    "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
-    "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
-    "comment", "feedback_id", "metadata", "key_name",
-)  # fmt: skip
-_INSERT = f"INSERT INTO feedback ({', '.join(_INSERTED)}) VALUES ({', '.join('?' * len(_INSERTED))})"
+_INSERT = f"INSERT INTO feedback ({', '.join(INSERTED)}) VALUES ({', '.join('?' * len(INSERTED))})"
 _COUNTED = {"kind": KINDS, "state": STATES}  # what counts() groups by, and the values it always answers
 
 
@@ -83,26 +73,12 @@ class SQLiteFeedbackLog:
         metadata: dict[str, Any] | None = None,
         key_name: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
-        check_entry(kind, rating, rejected_token_ids, metadata)
-        key = idempotency_key(response_id, rating, correction, preferred_over, comment, metadata, feedback_id)
-        row = (
-            key,
-            response_id,
-            kind,
-            rating,
-            correction,
-            preferred_over,
-            encode_ids(prompt_token_ids),
-            encode_ids(response_token_ids),
-            encode_ids(output_token_ids),
-            None if rejected_token_ids is None else encode_ids(rejected_token_ids),
-            int(adapter_version),
-            int(bool(recorded)),
-            time.time(),
-            comment,
-            feedback_id,
-            None if metadata is None else json.dumps(metadata, ensure_ascii=False),
-            key_name,
+        key, row = new_row(
+            response_id=response_id, kind=kind, prompt_token_ids=prompt_token_ids,
+            response_token_ids=response_token_ids, output_token_ids=output_token_ids, adapter_version=adapter_version,
+            recorded=recorded, rating=rating, correction=correction, preferred_over=preferred_over,
+            rejected_token_ids=rejected_token_ids, comment=comment, feedback_id=feedback_id, metadata=metadata,
+            key_name=key_name,
         )
         with self._lock:
             # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
@@ -266,12 +242,12 @@ class SQLiteFeedbackLog:
     def _one(self, query: str, args: tuple) -> FeedbackEntry | None:
         with self._lock:
             row = self._conn.execute(query, args).fetchone()
-        return None if row is None else _entry(row)
+        return None if row is None else entry_from_row(row)
 
     def _all(self, query: str, args: tuple) -> list[FeedbackEntry]:
         with self._lock:
             rows = self._conn.execute(query, args).fetchall()
-        return [_entry(r) for r in rows]
+        return [entry_from_row(r) for r in rows]
 
     def _settle(self, seqs: Sequence[int], assignment: str, args: tuple) -> int:
         if not seqs:
@@ -283,36 +259,5 @@ class SQLiteFeedbackLog:
 
     def _find(self, key: str) -> FeedbackEntry | None:
         row = self._conn.execute("SELECT * FROM feedback WHERE idempotency_key = ?", (key,)).fetchone()
-        return None if row is None else _entry(row)
+        return None if row is None else entry_from_row(row)
 
-
-def _entry(row: sqlite3.Row) -> FeedbackEntry:
-    rejected = row["rejected_token_ids"]
-    return FeedbackEntry(
-        seq=row["seq"],
-        idempotency_key=row["idempotency_key"],
-        response_id=row["response_id"],
-        kind=row["kind"],
-        rating=row["rating"],
-        correction=row["correction"],
-        preferred_over=row["preferred_over"],
-        prompt_token_ids=decode_ids(row["prompt_token_ids"]),
-        response_token_ids=decode_ids(row["response_token_ids"]),
-        output_token_ids=decode_ids(row["output_token_ids"]),
-        rejected_token_ids=None if rejected is None else decode_ids(rejected),
-        adapter_version=row["adapter_version"],
-        recorded=bool(row["recorded"]),
-        created_s=row["created_s"],
-        comment=row["comment"],
-        feedback_id=row["feedback_id"],
-        metadata=None if row["metadata"] is None else json.loads(row["metadata"]),
-        state=row["state"],
-        trained_version=row["trained_version"],
-        skip_reason=row["skip_reason"],
-        settled_s=row["settled_s"],
-        quarantine_reason=row["quarantine_reason"],
-        quarantine_loss=row["quarantine_loss"],
-        quarantined_s=row["quarantined_s"],
-        released_s=row["released_s"],
-        key_name=row["key_name"],
-    )
