@@ -41,22 +41,20 @@ def _bars(ax, buckets: list[str], series: dict[str, list[float | None]], ylabel:
 
 
 def plot_throughput(rows: list[dict], path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    series = {label: [r[f"{mode}_tok_s"] for r in rows] for mode, label in MODES}
-    _bars(ax, [r["bucket"] for r in rows], series, "trained tokens / s of step")
-    ax.set_title("(1) training throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plot_by_bucket(rows, path, "tok_s", "trained tokens / s of step", "(1) training throughput")
 
 
 def plot_memory(rows: list[dict], path: Path) -> None:
+    _plot_by_bucket(rows, path, "mib", "transient peak of a step (MiB)", "(2) peak training memory")
+
+
+def _plot_by_bucket(rows: list[dict], path: Path, measure: str, ylabel: str, title: str) -> None:
+    """The three modes' ``{mode}_{measure}`` side by side per prompt-length bucket."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    series = {label: [r[f"{mode}_mib"] for r in rows] for mode, label in MODES}
-    _bars(ax, [r["bucket"] for r in rows], series, "transient peak of a step (MiB)")
-    ax.set_title("(2) peak training memory")
+    series = {label: [r[f"{mode}_{measure}"] for r in rows] for mode, label in MODES}
+    _bars(ax, [r["bucket"] for r in rows], series, ylabel)
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
