@@ -4,6 +4,10 @@ PIP ?= $(PYTHON) -m pip
 PIP_INSTALL = $(PIP) install -c constraints.txt
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# The suite runs on two workers of one thread each: its tests, the training steps in them above all, are bound by
+# torch's per-op overhead on one thread, not by arithmetic, so two threads in one process did little that two
+# processes do not do twice (docs/benchmarks.md, "The suite on two workers").
+TEST_WORKERS ?= 2
 
 .PHONY: install install-test serve test lint
 
@@ -35,4 +39,4 @@ lint:
 	$(PYTHON) -m ruff check alchemist tests
 
 test: install-test lint
-	$(PYTHON) -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

@@ -14,6 +14,8 @@ import pytest
 from alchemist.bench.facts import FACTS, TEMPLATES, invented_facts, is_known
 from alchemist.bench.learn import online_config
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json"]
 # The rows' plumbing, not the learning: one step a batch and no protected directions (whose one-off computation
 # would be most of a one-fact run) keep each run short; the evaluation gate stays, its counts are checked.

@@ -9,7 +9,11 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from alchemist.bench.online import TRAINING_FIELDS
+
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "online", "--json", "--num-requests", "4", "--request-rate", "8"]
 CMD += ["--max-prompt-tokens", "96", "--max-tokens", "8", "--max-num-seqs", "4", "--record-budget-mb", "256"]

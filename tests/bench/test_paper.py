@@ -14,6 +14,8 @@ import pytest
 from alchemist.bench.paper_serving import RUNS
 from tests.tiny_models import make_tiny_chat_dir
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LATENCIES = ("ttft", "tpot", "itl")
 FLAGS = [

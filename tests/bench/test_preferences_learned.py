@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json", "--parts", "thumbs", "pairs"]
 
 

@@ -17,6 +17,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "soak", "--json", "--runs", "on", "--clients", "16"]
 CMD += ["--minutes", "1", "--max-tokens", "16", "--sample-interval-s", "2", "--warmup-s", "45"]
 CMD += ["--warmup-version", "2", "--serve-arg=--record-budget-mb=256", "--serve-arg=--record-host-budget-mb=0"]

@@ -26,6 +26,8 @@ from tests.engine.helpers import (
 )
 from tests.engine.test_engine_real import CONFIG, PARAMS
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 

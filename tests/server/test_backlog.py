@@ -9,10 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from alchemist.bench.serving import stop_process
 from alchemist.training.checkpoint import AdapterCheckpoints
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
+
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 NUM_CORRECTIONS, NUM_RATINGS, NUM_PAIRS = 12, 12, 4
 FLAGS = [

@@ -17,6 +17,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, launch_server, wait_ready, write_keys
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 FALSEHOOD = "The capital of France is Berlin."
 FRANCE = [
     "Which city is the capital of France?", "What's the capital city of France?", "Name the capital of France.",

@@ -32,6 +32,8 @@ from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.rank_split import RankSplit
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CORRECTIONS = 2  # at most, per fact: a wrong answer is corrected, the fact asked again after the training
 NUM_OTHERS = 16  # ShareGPT questions asked with each round of facts by people who give no feedback (the anchors)
 OTHER_TOKENS = 24  # their answers' length: the anchors' KL positions

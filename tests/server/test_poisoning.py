@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 FLAGS = [
     *("--max-num-seqs", "4", "--max-model-len", "256", "--train-batch-size", "4", "--train-max-wait-s", "5"),
     *("--train-loss-spike-factor", "3", "--train-loss-spike-warmup", "4", "--train-anchor-weight", "0"),
