@@ -204,6 +204,8 @@ def sdpa(
     """(B, H, L, D) attention; grouped-query heads need no repeat. Returns the fp32 lse when asked."""
     if need_lse:
         return flash.forward(q, k, v, causal=is_causal, scale=scale, mask=mask)
+    if q.device.type == "cpu" and is_causal and mask is None and torch.is_grad_enabled() and q.requires_grad:
+        return flash.Attention.apply(q, k, v, scale), None  # a training forward: its backward is ours
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -10,9 +10,9 @@ Layout as the ATen kernels: q (B, H, Lq, D); k, v (B, Hkv, Lk, D), H a multiple 
 head h // (H / Hkv)); lse (B, H, Lq) in fp32 (fp64 for fp64). ``causal``: query i sees keys 0 .. i (top-left;
 every caller has Lq == Lk); ``mask``: an additive (Lq, Lk) mask.
 
-On CPU (the one capability check, ``q.device.type == "cpu"``) these are ATen's CPU flash kernels. Elsewhere (CUDA)
-the same contract is computed from explicit scores in fp32: exact, (Lq, Lk) scores per head in memory, and not
-the fast path; tests/model/test_flash.py holds the two equal on CPU, ``python -m tests.cuda.check_system`` on a
+On CPU (the one capability check, ``q.device.type == "cpu"``) these are ATen's CPU flash kernels, but for the
+backward of short sequences (``EXPLICIT_BACKWARD_MAX_SCORES``). Elsewhere (CUDA) the same contract is computed from
+explicit scores in fp32: exact, (Lq, Lk) scores per head in memory, and not the fast path; tests/model/test_flash.py holds the two equal on CPU, ``python -m tests.cuda.check_system`` on a
 GPU. ATen's CUDA kernels also give the lse, but their backward takes the forward's own padded lse and RNG state.
 """
 
@@ -22,6 +22,12 @@ import torch
 
 _cpu_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+# Up to this many scores per head (Lq x Lk) the backward from explicit scores is the faster one on CPU: ATen's flash
+# kernel has a fixed cost that short sequences (a training step's corrections and anchors) never amortize
+# (docs/benchmarks.md, "Attention backward of short sequences").
+EXPLICIT_BACKWARD_MAX_SCORES = 128 * 128
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,10 +63,27 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D), in the inputs' dtype."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] > EXPLICIT_BACKWARD_MAX_SCORES:
         dq, dk, dv = _cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return dq, dk, dv
     return explicit_backward(d_out, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+class Attention(torch.autograd.Function):
+    """Causal attention (no mask) with autograd, by ``forward`` and ``backward``: a training forward's attention."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        out, lse = forward(q, k, v, causal=True, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward(d_out, q, k, v, out, lse, causal=True, scale=ctx.scale)
+        return dq, dk, dv, None
 
 
 def explicit_forward(

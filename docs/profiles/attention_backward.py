@@ -61,5 +61,5 @@ def case(dtype: torch.dtype, length: int) -> None:
 
 
 for dtype in (torch.bfloat16, torch.float32):
-    for length in (236, 512, 1088):
+    for length in (32, 85, 128, 160, 236, 512, 1088):
         case(dtype, length)

@@ -47,11 +47,43 @@ def test_explicit_equals_cpu_flash(shape, dtype, tol):
     assert _rel(out_x, out) <= tol and _rel(lse_x, lse) <= tol
     if masked:
         return  # the backward is never handed a mask (replay's attention is causal or sees every key)
-    grads = flash.backward(d_out, q, k, v, out, lse, **kw)
+    grads = flash._cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, scale=kw["scale"])
     grads_x = flash.explicit_backward(d_out, q, k, v, out, lse, **kw)
     for got, want in zip(grads_x, grads, strict=True):
         assert got.dtype == want.dtype == dtype and got.shape == want.shape
         assert _rel(got, want) <= tol
+
+
+@pytest.mark.parametrize("length, explicit", [(128, True), (129, False)])
+def test_backward_takes_explicit_scores_up_to_the_bound_and_atens_kernel_beyond(length, explicit):
+    """On CPU the backward of short sequences is the explicit one, of longer ones ATen's flash kernel: each exactly."""
+    q, k, v, d_out = _inputs(6, 2, length, length, torch.float32)
+    out, lse = flash.forward(q, k, v, causal=True, scale=0.3)
+    assert (length * length <= flash.EXPLICIT_BACKWARD_MAX_SCORES) is explicit
+    grads = flash.backward(d_out, q, k, v, out, lse, causal=True, scale=0.3)
+    if explicit:
+        want = flash.explicit_backward(d_out, q, k, v, out, lse, causal=True, scale=0.3)
+    else:
+        want = flash._cpu_backward(d_out, q, k, v, out, lse, 0.0, True, scale=0.3)
+    assert all(torch.equal(got, w) for got, w in zip(grads, want, strict=True))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("length", [37, 200])
+def test_training_attention_has_the_gradients_of_atens(dtype, tol, length):
+    """A training forward's causal attention (``flash.Attention``, which ``attention.sdpa`` takes where gradients
+    are wanted) gives ATen's output and gradients, short sequences and long."""
+    q, k, v, d_out = _inputs(6, 2, length, length, dtype)
+    got, want = [], []
+    for into, attend in ((got, lambda *t: flash.Attention.apply(*t, 0.3)),
+                         (want, lambda *t: torch.nn.functional.scaled_dot_product_attention(
+                             *t, is_causal=True, scale=0.3, enable_gqa=True))):  # fmt: skip
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves)
+        out.backward(d_out)
+        into += [out.detach(), *(t.grad for t in leaves)]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == dtype and _rel(g, w) <= tol
 
 
 def test_explicit_backward_is_autograd_of_softmax_attention():
