@@ -39,4 +39,4 @@ lint:
 	$(PYTHON) -m ruff check alchemist tests
 
 test: install-test lint
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests

@@ -11,7 +11,8 @@ from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules marked slow first, in the order collected, then the others: `make test`'s two workers take a file
-    at a time in this order, and a long module started last would run on alone."""
+    at a time in this order (``--no-loadscope-reorder``: pytest-xdist would put the files of most tests first), and
+    a long module started last would run on alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -12,8 +12,9 @@ every caller has Lq == Lk); ``mask``: an additive (Lq, Lk) mask.
 
 On CPU (the one capability check, ``q.device.type == "cpu"``) these are ATen's CPU flash kernels, but for the
 backward of short sequences (``EXPLICIT_BACKWARD_MAX_SCORES``). Elsewhere (CUDA) the same contract is computed from
-explicit scores in fp32: exact, (Lq, Lk) scores per head in memory, and not the fast path; tests/model/test_flash.py holds the two equal on CPU, ``python -m tests.cuda.check_system`` on a
-GPU. ATen's CUDA kernels also give the lse, but their backward takes the forward's own padded lse and RNG state.
+explicit scores in fp32: exact, (Lq, Lk) scores per head in memory, and not the fast path;
+tests/model/test_flash.py holds the two equal on CPU, ``python -m tests.cuda.check_system`` on a GPU.
+ATen's CUDA kernels also give the lse, but their backward takes the forward's own padded lse and RNG state.
 """
 
 from __future__ import annotations

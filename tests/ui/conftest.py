@@ -39,7 +39,9 @@ def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
         stop_process(server.process)
 
 
-@pytest.fixture(scope="session")
+# Module scope: Playwright's sync API holds an asyncio loop running on the main thread while it lives, and a test
+# that a pytest-xdist worker runs after this module (asyncio.run, in tests/runtime) must not find it running.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM)
