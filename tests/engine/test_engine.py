@@ -7,7 +7,9 @@ import threading
 import pytest
 
 from alchemist.engine import QueueFullError, SamplingParams
+from alchemist.engine.engine import OVER_OBJECTIVE_STRETCH
 from alchemist.engine.scheduler import MIN_PREFILL_TOKENS
+from alchemist.engine.step_cost import StepCost
 from tests.engine.helpers import random_prompts, run_to_end
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -210,6 +212,8 @@ def test_prefill_beside_decodes_is_chunked_by_the_objective_to_the_same_tokens(m
 
     def serve(**config) -> tuple[dict[str, list[int]], list[tuple[int, int, float]]]:
         engine = make_engine(max_num_batched_tokens=256, max_num_seqs=4, **config)
+        # rates that leave a step beside one decode no more than the minimum, whatever this machine's steps take
+        engine.step_cost = fixed_step_cost(row_s=0.003, token_s=0.001)
         engine.add_request("first", first, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         engine.step()  # its prefill, alone: the whole budget
         engine.add_request("long", long, GREEDY)
@@ -227,3 +231,25 @@ def test_prefill_beside_decodes_is_chunked_by_the_objective_to_the_same_tokens(m
     assert prefills == [(1, MIN_PREFILL_TOKENS)] * 4 + [(1, 150 - 4 * MIN_PREFILL_TOKENS)]  # beside first's decode
     assert [(d, p) for d, p, _ in whole_steps if p > 0] == [(1, 150)]
     assert capped == whole and len(capped["first"]) == 40 and len(capped["long"]) == 24
+
+
+def fixed_step_cost(row_s: float, token_s: float) -> StepCost:
+    """A step cost estimate that knows these rates and learns nothing more."""
+    cost = StepCost()
+    cost.observe(num_decodes=1, num_prefill_tokens=0, seconds=row_s)
+    cost.observe(num_decodes=0, num_prefill_tokens=1, seconds=token_s)
+    cost.observe = lambda *step: None  # type: ignore[method-assign]
+    return cost
+
+
+def test_decodes_that_outlast_the_objective_still_leave_prefill_a_share_of_their_time(make_engine):
+    """Beside decodes whose estimate fits the TPOT objective, prefill takes what is left of it; beside decodes that
+    alone outlast it (more than the objective was derived on), what lasts OVER_OBJECTIVE_STRETCH times their time,
+    not the scheduler's minimum."""
+    row_s, token_s = 2**-8, 2**-13  # 3.9 ms a decode row, 0.12 ms a prefill token: exact in binary
+    engine = make_engine(max_num_batched_tokens=256, max_num_seqs=4, slo_tpot_s=2**-5)
+    engine.step_cost = fixed_step_cost(row_s, token_s)
+    assert engine._prefill_cap(4) == (2**-5 - 4 * row_s) / token_s == 128
+    engine.set_tpot_objective(2**-7)  # 4 decodes alone take twice that
+    assert engine._prefill_cap(4) == (OVER_OBJECTIVE_STRETCH - 1) * 4 * row_s / token_s == 64
+    assert engine._prefill_cap(4) > MIN_PREFILL_TOKENS
