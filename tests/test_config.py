@@ -166,6 +166,7 @@ BAD_FLAGS = [
     (["--train-anchor-top-k", "0"], "--train-anchor-top-k must be a positive integer"),
     (["--train-anchor-max-tokens", "0"], "--train-anchor-max-tokens must be a positive integer"),
     (["--train-anchor-pool-size", "0"], "--train-anchor-pool-size must be a positive integer"),
+    (["--train-anchor-turn", "0"], "--train-anchor-turn must be a positive integer"),
     (["--train-anchor-weight", "-1"], "--train-anchor-weight must be >= 0"),
     (["--train-sft-weight", "-1"], "--train-sft-weight must be >= 0"),
     (["--train-kto-weight", "-1"], "--train-kto-weight must be >= 0"),

@@ -228,12 +228,17 @@ class AnchorsConfig:
     # anchors, docs/benchmarks.md "Learning with the defaults").
     known_facts: Annotated[int, flag("train-anchor-known-facts", "well-known facts kept as anchors each "
                                      "step (0: none)")] = 8  # fmt: skip
+    # The anchors were 70% of a teach step's time; spread over 4 steps (each still weighs anchors.weight, a mean over
+    # its quarter) a step of ten corrections took half the time, the same facts were learned and nothing else moved
+    # more (docs/benchmarks.md, "Anchors in turn").
+    turn: Annotated[int, flag("train-anchor-turn", "steps a batch's anchors are spread over: each step trains "
+                              "every turn-th of them, in turn (1: all of them every step)")] = 4  # fmt: skip
 
     def __post_init__(self) -> None:
         run_checks(self)
 
     def check(self) -> None:
-        check_positive_ints(self, "samples", "top_k", "max_tokens", "pool_size")
+        check_positive_ints(self, "samples", "top_k", "max_tokens", "pool_size", "turn")
         check_non_negative(self, "weight")
         check_non_negative(self, "known_facts", "max_rows", integer=True)
 

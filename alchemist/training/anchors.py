@@ -185,3 +185,9 @@ class BatchAnchors:
         count = min(self.config.known_facts, len(facts))
         start, self.known_next = self.known_next, (self.known_next + count) % max(len(facts), 1)
         return [facts[(start + i) % len(facts)] for i in range(count)]
+
+
+def in_turn(anchors: list[Sample], step: int, turn: int) -> list[Sample]:
+    """The anchors of a batch's ``step`` when they are spread over ``turn`` steps: every ``turn``-th one, from the
+    step's place in the turn on (served and known facts alike spread, as they are listed)."""
+    return anchors[step % turn :: turn] if turn > 1 else anchors

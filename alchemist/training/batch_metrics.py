@@ -26,8 +26,7 @@ def batch_metrics(
     first, last = steps[0], steps[-1]
     rehearsal = [[loss for loss, _ in step.passes[len(samples) : len(samples) + len(rehearsed)]]
                  for samples, step in (first, last)]  # fmt: skip
-    kls = [sum(loss for loss, _ in step.passes[len(samples) + len(rehearsed) :]) / max(len(anchors), 1)
-           for samples, step in steps]  # fmt: skip
+    kls = [_mean([loss for loss, _ in step.passes[len(samples) + len(rehearsed) :]]) for samples, step in steps]
     tokens = sum(len(s.response_ids) for samples, _ in steps for s in samples)
     stats.last_loss = losses[-1]
     stats.last_anchor_kl = kls[-1] if anchors else None
@@ -54,3 +53,7 @@ def _mean_by_objective(samples: list[Sample], results: list[tuple[float, bool]])
     for sample, (loss, _) in zip(samples, results, strict=False):  # results go on with the anchors
         by.setdefault("sft" if sample.term is None else sample.term.kind, []).append(loss)
     return {kind: sum(values) / len(values) for kind, values in by.items()}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)

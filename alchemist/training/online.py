@@ -54,7 +54,7 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
 from alchemist.model.tokenizer import Tokenizer
-from alchemist.training.anchors import AnchorPool, BatchAnchors, known_fact_anchors
+from alchemist.training.anchors import AnchorPool, BatchAnchors, in_turn, known_fact_anchors
 from alchemist.training.batch_metrics import batch_metrics
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.evaluation import Evaluation, EvaluationGate, Pair
@@ -224,14 +224,15 @@ class OnlineTrainer:
         rehearsed = self.rehearsal.samples(self.lineage.undone)
         # A rehearsed correction weighs what one of the batch's own does; the anchors share anchors.weight.
         rehearsed_scales = [c.objectives.sft_weight / max(len(feedback.sft), len(rehearsed), 1)] * len(rehearsed)
-        anchor_scales = [c.anchors.weight / len(anchors)] * len(anchors) if anchors else []
-        extra, extra_scales = rehearsed + anchors, rehearsed_scales + anchor_scales
         entries = [entry for entry, _ in batch]
         steps: list[tuple[list[Sample], StepResult]] = []
         yielded = False  # the steps ended early for corrections waiting behind the batch
         for epoch in range(c.stopping.epochs):
             samples, scales = yield from feedback.samples_slices(self.trainer)  # z0 under this adapter
             screen = partial(self._screen, entries, feedback, len(samples)) if epoch == 0 else None
+            step_anchors = in_turn(anchors, epoch, c.anchors.turn)
+            extra = rehearsed + step_anchors
+            extra_scales = rehearsed_scales + [c.anchors.weight / max(len(step_anchors), 1)] * len(step_anchors)
             # each sample's record or a recompute -> loss -> backward -> update
             step = yield from self.trainer.step_slices(samples + extra, scales + extra_scales, screen)
             if not step.updated:

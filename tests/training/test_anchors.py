@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from alchemist.engine import SamplingParams
 from alchemist.model.attention import AttentionMetadata, Segment
 from alchemist.model.loader import build_model
-from alchemist.training.anchors import Anchor, AnchorPool, known_fact_anchors, references_slices
+from alchemist.training.anchors import Anchor, AnchorPool, in_turn, known_fact_anchors, references_slices
 from alchemist.training.evaluation import CANARIES
 from alchemist.training.losses import Targets, kl_to_targets
 from alchemist.training.recompute import recompute_loss
@@ -188,6 +188,21 @@ def test_online_trainer_trains_anchors_beside_the_feedback(engine, tmp_path):
     )  # fmt: skip
     trainer.has_work()  # reads the log
     assert [a.response_id for a in trainer.anchors.recent(10)] == ["a2", "a1", "a0"]
+
+
+def test_anchors_take_turns_over_a_batchs_steps(engine, tmp_path):
+    """With ``turn`` k each step trains every k-th of the batch's anchors, the next ones each step: every anchor
+    once in k steps, and again after; the batch's metrics count its anchors, the stats each pass."""
+    assert [in_turn(list(range(7)), step, 3) for step in range(4)] == [[0, 3, 6], [1, 4], [2, 5], [0, 3, 6]]
+    assert in_turn(list(range(3)), 5, 1) == [0, 1, 2]
+    trainer, log, checkpoints = online(engine, tmp_path, anchors={"samples": 5, "turn": 2}, stopping={"epochs": 3})
+    for i in range(5):
+        trainer.anchors.offer(Anchor(f"a{i}", [1, 2, 3, 4 + i], [5, 6, 7 + i]))
+    serve_and_log(engine, log, 2)
+    drain(trainer)
+    assert trainer.stats.steps == 3 and trainer.stats.anchor_samples == 3 + 2 + 3  # a4 a2 a0, a3 a1, a4 a2 a0
+    assert trainer.stats.anchor_tokens == 3 * 8 and checkpoints.versions()[-1].metrics["anchors"] == 5
+    assert all(a.targets is not None for a in trainer.anchors.recent(5))  # targets once per anchor, for all steps
 
 
 def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):

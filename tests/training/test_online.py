@@ -79,12 +79,13 @@ def tiny_loop_config(**sections: dict) -> OnlineConfig:
     No evaluation gate: its canaries and held-out chats need a chat model (tests/training/test_evaluation.py).
     No protected directions: on a tiny random model they would only make its outputs harder to move, which these
     tests of the loop's mechanics need (tests/training/test_protected.py tests them). No known-fact anchors (their
-    text means nothing to a tiny model: tests/training/test_anchors.py has them) and no rehearsal
-    (test_rehearsal_... has it): each batch trains its own feedback and nothing else."""
+    text means nothing to a tiny model: tests/training/test_anchors.py has them), served anchors all in every step
+    (turn 1: test_anchors_take_turns has more) and no rehearsal (test_rehearsal_... has it): each batch trains its
+    own feedback and nothing else."""
     config = OnlineConfig(
         trainer=TrainerConfig(lr=1e-2), queue=QueueConfig(batch_size=2, max_wait_s=0.0),
         stopping=StoppingConfig(epochs=2, target_loss=0.0, target_token_p=0.0), gate=GateConfig(enabled=False),
-        adapter=AdapterConfig(protect_energy=0.0), anchors=AnchorsConfig(known_facts=0),
+        adapter=AdapterConfig(protect_energy=0.0), anchors=AnchorsConfig(known_facts=0, turn=1),
         rehearsal=RehearsalConfig(corrections=0),
     )  # fmt: skip
     for name, settings in sections.items():
