@@ -127,7 +127,7 @@ class StoppingConfig:
                                           "at least this probability (0: the mean loss alone)")] = 0.5  # fmt: skip
     # ... unless corrections queue up behind it: then it ends at the step where one has waited yield_after_s, so that
     # under a load of corrections every batch still trains and the backlog does not grow by 16 steps a batch
-    # (docs/benchmarks.md, "Online loop"; what such a batch did not learn, rehearsal revisits).
+    # (docs/benchmarks.md, "Online loop"); its corrections not learned yet go on in the next batch, beside them.
     yield_after_s: Annotated[float, flag("train-yield-after-s", "a mini-batch's steps after the first end once "
                                          "a correction queued behind it waited so long (0: never)")] = 60.0  # fmt: skip
 

@@ -14,12 +14,15 @@ log-probabilities, computed once (``alchemist.training.objectives``) -> ``stoppi
 recomputed otherwise -> publish the new adapter version (to an ``AdapterPublisher``: the engine, which training
 knows only by that Protocol, ``alchemist.training.seams``) -> checkpoint it (adapter, optimizer state, the log
 position up to which everything is settled, its metrics and the seqs it trained) atomically -> mark the entries
-trained in the log (the last three: the adapter's lineage, ``alchemist.training.lineage``). Before the first update, the
-poisoning guard (``alchemist.training.quarantine``) looks at each sample's loss: an entry whose loss is NaN/inf or
-a spike is quarantined (a state in the log), the gradients are dropped, and the rest of the batch, still queued,
-trains next without it. Each step also keeps the adapted model close to the base model on recent served traffic:
-``anchors.weight`` x KL(base || adapted) over ``anchors.samples`` anchors (``alchemist.training.anchors``; replayed
-from their records too), and rehearses corrections trained before (``alchemist.training.rehearsal``).
+trained in the log (the last three: the adapter's lineage, ``alchemist.training.lineage``). A batch whose steps end
+early for corrections waiting behind it leaves its own not learned yet queued: they go on in the next batch, beside
+those, until they have had ``epochs`` steps (a batch that leaves all queued publishes nothing). Before the first
+update, the poisoning guard (``alchemist.training.quarantine``) looks at each sample's loss: an entry whose loss is
+NaN/inf or a spike is quarantined (a state in the log), the gradients are dropped, and the rest of the batch, still
+queued, trains next without it. Each step also keeps the adapted model close to the base model on recent served
+traffic: ``anchors.weight`` x KL(base || adapted) over the batch's anchors, every ``anchors.turn``-th of them in
+each step (``alchemist.training.anchors``; replayed from their records too), and rehearses corrections trained
+before (``alchemist.training.rehearsal``).
 
 Exactly once: an entry is queued in the log until its batch's checkpoint is committed. A crash before it loses the
 batch's update, and the restarted trainer reads the same entries again (still queued); a crash between the
@@ -101,6 +104,7 @@ class OnlineTrainer:
         self._gate_s = 0.0  # the gate's seconds when the batch in progress began
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
+        self._steps_of: dict[int, int] = {}  # steps each correction carried over from a batch has had (by seq)
 
     @classmethod
     def from_config(
@@ -238,6 +242,8 @@ class OnlineTrainer:
             if not step.updated:
                 return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
             steps.append((samples, step))
+            for entry in entries:
+                self._steps_of[entry.seq] = self._steps_of.get(entry.seq, 0) + 1
             if epoch + 1 == c.stopping.epochs:
                 break
             if self.stopping.reached_target(samples, step.passes) and (
@@ -247,11 +253,31 @@ class OnlineTrainer:
             if self.stopping.yields([entry.seq for entry in entries]):
                 yielded = True
                 break
-        metrics = {**batch_metrics(feedback, rehearsed, anchors, steps, self.stats, self._job_s), "yielded": yielded}
+        carried = (yield from self._carried_slices(feedback, *steps[-1])) if yielded else set()
+        done = [entry for entry in entries if entry.seq not in carried]
+        for entry in done:
+            self._steps_of.pop(entry.seq, None)
+        self.stats.carried += len(carried)
+        if not done:
+            return  # every correction goes on in the next batch, beside those waiting, from this adapter
+        metrics = {**batch_metrics(feedback, rehearsed, anchors, steps, self.stats, self._job_s), "yielded": yielded,
+                   "carried": sorted(carried)}  # fmt: skip
         evaluation = yield from self._evaluate_slices(facts, taught_before)
         if evaluation is None or evaluation.promoted:
-            yield from self.lineage.publish_slices(entries)
-        yield from self.lineage.commit_slices(entries, metrics, evaluation, self._job_s)
+            yield from self.lineage.publish_slices(done)
+        yield from self.lineage.commit_slices(done, metrics, evaluation, self._job_s)
+
+    def _carried_slices(self, feedback: FeedbackBatch, samples: list[Sample], step: StepResult) -> Generator[
+            None, None, set[int]]:  # fmt: skip
+        """The seqs of the batch's corrections that go on in the next batch (left queued in the log) when its steps
+        end for corrections waiting behind it: those not learned yet (``stopping``'s test: the loss, then each
+        token) that have had fewer than ``epochs`` steps, over batches. The others are settled with this batch."""
+        epochs, target = self.config.stopping.epochs, self.config.stopping.target_loss
+        sft = list(zip(feedback.sft, samples, step.passes, strict=False))  # a batch's samples: its SFT ones first
+        near = [(item, sample) for item, sample, (loss, _) in sft if loss < target]
+        learned = yield from self.stopping.learned_each_slices([sample for _, sample in near])
+        settled = {item.seq for (item, _), ok in zip(near, learned, strict=True) if ok}
+        return {item.seq for item, _, _ in sft if item.seq not in settled and self._steps_of[item.seq] < epochs}
 
     def _prepare_slices(self, feedback: FeedbackBatch) -> Generator[None, None, list[Sample]]:
         """What every step of the batch uses, computed once: the base model's log-probabilities of the preference

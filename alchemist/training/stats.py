@@ -47,6 +47,7 @@ class TrainingStats:
     unpromoted: int = 0  # versions the evaluation gate kept from serving
     evaluation_s: float = 0.0  # time spent in the gate's slices (alchemist.training.evaluation)
     learned_checks: int = 0  # passes asking whether a batch's corrections are learned (before its steps end)
+    carried: int = 0  # corrections a batch that yielded left queued, not learned yet, for the next batch
 
     @property
     def staleness_sum(self) -> int:

@@ -9,8 +9,8 @@ Learned: every correction's loss in the step (mean per token, before its update)
 each of its tokens likelier than ``target_token_p`` under the adapter as updated (a pass without gradient): under
 the mean loss alone, batches stopped with a wrong name or year left (docs/benchmarks.md, "Learning a correction
 with the defaults"). Yielding: under a load of corrections every batch still trains and the backlog does not grow
-by ``epochs`` steps a batch (docs/benchmarks.md, "Online loop"); what such a batch did not learn, rehearsal
-revisits.
+by ``epochs`` steps a batch (docs/benchmarks.md, "Online loop"); what such a batch did not learn yet goes on in the
+next one (``learned_each_slices``; alchemist.training.online).
 """
 
 from __future__ import annotations
@@ -43,15 +43,20 @@ class Stopping:
         every token likelier than ``target_token_p`` given those before it, a pass without gradient over them
         (``target_token_p`` 0: true). Asked once their mean losses are under ``target_loss``, which a correction
         with a wrong name or year left passed the same."""
+        return all((yield from self.learned_each_slices(samples)))
+
+    def learned_each_slices(self, samples: list[Sample]) -> Generator[None, None, list[bool]]:
+        """For each of ``samples`` without a preference term (corrections, thumbs-up answers), in their order,
+        whether the adapter as updated says it itself (``learned_slices``' test, one pass over them all)."""
         p = self.config.target_token_p
         sft = [(s.prompt_ids, s.response_ids) for s in samples if s.term is None]
         if not p or not sft:
-            return True
+            return [True] * len(sft)
         model = self.trainer.model
         least = yield from response_values_slices(model, self.trainer.adapter, sft, partial(least_token_logp, model),
                                                   self.group_size)  # fmt: skip
         self.trainer.stats.learned_checks += 1
-        return min(least) > math.log(p)
+        return [value > math.log(p) for value in least]
 
     def yields(self, batch_seqs: list[int]) -> bool:
         """Whether the batch's further steps yield to the backlog: a correction queued behind it has waited

@@ -26,12 +26,13 @@ from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.feedback_batch import FeedbackBatch
 from alchemist.training.feedback_queue import EMPTY
 from alchemist.training.lineage import as_trained
 from alchemist.training.online import OnlineTrainer
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.slices import run_to_end as run_to_end_of
-from alchemist.training.trainer import Sample
+from alchemist.training.trainer import Sample, StepResult
 from tests.engine.helpers import random_prompts, run_to_end
 
 
@@ -186,17 +187,38 @@ def test_a_correction_is_learned_once_every_token_is_that_likely(engine, tmp_pat
 @pytest.mark.parametrize("yield_after_s", [1e-3, 0.0])
 def test_a_batch_yields_its_further_steps_to_corrections_waiting_behind_it(engine, tmp_path, yield_after_s):
     """Under a backlog of corrections a batch ends after the step at which one behind it has waited
-    ``yield_after_s`` (here: at once, so after its first step), unless that is 0; the last batch, with nothing
-    behind it, takes all its epochs (no target: ``target_loss`` 0)."""
+    ``yield_after_s`` (here: at once, so after its first step), unless that is 0. Its corrections not learned yet
+    (no target here: ``target_loss`` 0) stay queued and go on in the next batch, oldest first, until they have had
+    ``epochs`` steps; the last batch, with nothing behind it, takes all its epochs."""
     trainer, log, checkpoints = online(engine, tmp_path,
                                        stopping={"epochs": 3, "yield_after_s": yield_after_s},
                                        queue={"batch_size": 2})  # fmt: skip
-    serve_and_log(engine, log, 3)
+    seqs = serve_and_log(engine, log, 3)
     drain(trainer)
     first, last = (v.metrics for v in checkpoints.versions())
-    assert (first["epochs"], first["yielded"]) == ((1, True) if yield_after_s else (3, False))
+    assert first["seqs"] == seqs[:2] and last["seqs"] == seqs[2:]
+    # yielding: three batches of a step each (the third settles them: their third step), nothing carried after
+    assert (first["epochs"], first["yielded"], first["carried"]) == ((1, True, []) if yield_after_s else (3, False, []))
+    assert trainer.stats.carried == (4 if yield_after_s else 0)
     assert (last["epochs"], last["yielded"]) == (3, False)
-    assert [e.state for e in log.read()] == ["trained"] * 3
+    assert trainer.stats.steps == 6 and [e.state for e in log.read()] == ["trained"] * 3
+
+
+def test_a_yielding_batch_settles_its_learned_corrections_and_carries_the_others(engine, tmp_path):
+    """When a batch yields, a correction the adapter already says (its loss in the step under ``target_loss``,
+    then every token likelier than ``target_token_p``) is settled with the batch's version; one whose loss is not
+    under the target goes on, unless it has had ``epochs`` steps."""
+    trainer, log, _ = online(engine, tmp_path, stopping={"epochs": 4, "target_loss": 1.0, "target_token_p": 1e-9})
+    seqs = serve_and_log(engine, log, 3)
+    feedback = FeedbackBatch([it for _, it in trainer.queue.head()], trainer.config.objectives)
+    samples = [Sample(it.prompt_ids, it.response_ids, it.record_id) for it in feedback.sft]
+    trainer._steps_of = {seqs[0]: 1, seqs[1]: 1}
+    step = StepResult(1.0, 2, 12, 0, 2, 1, 0.0, passes=[(0.5, False), (5.0, False)])
+    assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[1]}  # seqs[0]: learned
+    trainer.config.stopping.target_token_p = 1 - 1e-9  # no token of a random model is that likely
+    assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[0], seqs[1]}
+    trainer._steps_of[seqs[1]] = 4  # had its epochs: settled, learned or not
+    assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[0]}
 
 
 def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, tmp_path):
