@@ -10,7 +10,8 @@ trained nor skipped, by class, and the age of each class's oldest) from a thread
 loop never waits for it; one scrape every few seconds costs the server a SQLite count.
 
 Its other face, how long each correction waited to be served: ``TrainedThrough`` polls the feedback log position the
-newest adapter version has trained through (``bench online``'s ``trained_through``) from a thread of its own, and
+newest adapter version has trained through and the entries the kept promoted versions trained (``bench online``'s
+``trained``: an entry a batch carried over settles after newer ones) from a thread of its own, and
 ``served_after(seq, at)`` says how long after ``at`` (a ``time.perf_counter()``, e.g. the correction's
 acknowledgement) a version that trained entry ``seq`` was first seen (None: not by ``stop()``); the error is at most
 one interval.
@@ -18,6 +19,7 @@ one interval.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -71,12 +73,14 @@ class BacklogSampler:
 
 
 class TrainedThrough:
-    def __init__(self, read_position: Callable[[], int], interval_s: float) -> None:
+    def __init__(self, read: Callable[[], tuple[int, set[int]]], interval_s: float) -> None:
+        """``read``: the position trained through and the seqs trained (by the versions still listed)."""
         if not interval_s > 0:
             raise ValueError(f"the polling interval must be > 0 (got {interval_s!r})")
-        self.read_position = read_position
+        self.read = read
         self.interval_s = interval_s
         self.seen: list[tuple[float, int]] = []  # (perf_counter, position) where the position grew
+        self.first_seen: dict[int, float] = {}  # seq -> perf_counter when a version that trained it was first seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trained-through", daemon=True)
 
@@ -90,7 +94,8 @@ class TrainedThrough:
         self._poll()
 
     def served_after(self, seq: int, at: float) -> float | None:
-        return next((max(0.0, t - at) for t, position in self.seen if position >= seq), None)
+        times = [t for t, position in self.seen if position >= seq][:1] + [self.first_seen.get(seq, math.inf)]
+        return max(0.0, min(times) - at) if min(times) < math.inf else None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -99,8 +104,11 @@ class TrainedThrough:
 
     def _poll(self) -> None:
         try:
-            position = self.read_position()
+            position, seqs = self.read()
         except Exception:  # a missed poll widens one correction's error, it does not fail the benchmark
             return
+        now = time.perf_counter()
         if not self.seen or position > self.seen[-1][1]:
-            self.seen.append((time.perf_counter(), position))
+            self.seen.append((now, position))
+        for seq in seqs:
+            self.first_seen.setdefault(seq, now)

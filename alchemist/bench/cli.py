@@ -146,7 +146,9 @@ def _online(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens and on corrections")
     p.add_argument("--feedback-fraction", type=float, default=0.5, help="responses that get feedback")
-    p.add_argument("--feedback", default="correction", choices=["correction", "rating"])
+    p.add_argument("--feedback", default="correction", choices=["correction", "rating", "fact"],
+                   help="correction: the reference reply; rating: a thumbs-up; fact: the request asks an invented "
+                   "fact instead, corrected with it")  # fmt: skip
     p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
     p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
     p.add_argument("--seed", type=int, default=0)
@@ -261,6 +263,9 @@ def _paper(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="serving: ShareGPT prompts longer are skipped")
     p.add_argument("--max-tokens", type=int, default=128, help="serving: cap on output tokens and on corrections")
     p.add_argument("--feedback-fraction", type=float, default=0.125, help="serving: responses corrected")
+    p.add_argument("--feedback", default="correction", choices=["correction", "fact"],
+                   help="serving: what is corrected: ShareGPT answers by their reference reply, or invented facts "
+                   "asked instead (as bench online's)")  # fmt: skip
     p.add_argument("--drain-s", type=float, default=180.0, help="serving: after each rate's load, training may "
                    "finish for this long")  # fmt: skip
     p.add_argument("--backlog-interval-s", type=float, default=5.0, help="serving: how often the backlog is sampled")

@@ -19,9 +19,11 @@ chat-templated), sent with Poisson arrivals at ``--request-rate`` by the officia
 streaming), each asking for as many greedy tokens as its reference reply has (at most ``--max-tokens``, EOS ignored,
 so every run serves the same token counts) and for its prompt to be recorded. A seeded ``--feedback-fraction`` of the
 responses get feedback as soon as they finish: the reference reply, cut to ``--max-tokens``, as a correction (or
-rating 1 with ``--feedback rating``). After the last response, training drains until it has trained every feedback
-entry, or for at most ``--drain-s``. The default rate suits 2 vCPUs that serve in bf16; where the server runs in
-fp32 (a CPU without bf16 instructions) it saturates them: ``--request-rate 0.15`` there (docs/benchmarks.md).
+rating 1 with ``--feedback rating``; with ``--feedback fact`` those requests ask an invented fact instead, each its
+own, and are corrected with it, as people correct a wrong answer). After the last response, training drains until
+it has trained every feedback entry, or for at most ``--drain-s``. The default rate suits 2 vCPUs that serve in
+bf16; where the server runs in fp32 (a CPU without bf16 instructions) it saturates them: ``--request-rate 0.15``
+there (docs/benchmarks.md).
 
 Client-side TTFT (to the first streamed content), TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output
 tokens - 1), and ITL, the gaps between a request's streamed content chunks, over all requests' gaps (a request's
@@ -57,6 +59,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from alchemist.bench.backlog import BacklogSampler
+from alchemist.bench.facts import invented_facts
 from alchemist.bench.latency import StreamClock, latency_fields
 from alchemist.bench.report import print_rows
 from alchemist.bench.serving import _free_port, stop_process
@@ -106,7 +109,8 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
     gaps = rng.exponential(1.0 / args.request_rate, size=len(samples))
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])  # the first request at once
     with_feedback = set(rng.choice(len(samples), round(args.feedback_fraction * len(samples)), replace=False))
-    max_tokens, feedback = [], []
+    facts = iter(invented_facts(len(with_feedback), seed=args.seed))
+    chats, max_tokens, feedback = [s.messages for s in samples], [], []
     for i, sample in enumerate(samples):
         reply_ids = tokenizer.encode(sample.reply)[: args.max_tokens]
         max_tokens.append(max(MIN_OUTPUT_TOKENS, len(reply_ids)))
@@ -114,10 +118,13 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
             feedback.append(None)
         elif args.feedback == "correction":
             feedback.append({"correction": tokenizer.decode(reply_ids)})
+        elif args.feedback == "fact":  # the request asks an invented fact instead; its answer is corrected
+            question, correction, _ = next(facts)
+            chats[i] = [{"role": "user", "content": question}]
+            feedback.append({"correction": correction})
         else:
             feedback.append({"rating": 1})
-    prompt_tokens = [len(tokenizer.apply_chat_template(s.messages)) for s in samples]
-    chats = [s.messages for s in samples]
+    prompt_tokens = [len(tokenizer.apply_chat_template(chat)) for chat in chats]
     return Workload(chats, max_tokens, feedback, arrivals.tolist(), warmup.messages, prompt_tokens)
 
 
@@ -181,8 +188,15 @@ def scrape(url: str) -> dict[str, float]:
 
 def trained_through(url: str) -> int:
     """The feedback log position that the newest checkpointed adapter version has trained up to (0: none)."""
+    return trained(url)[0]
+
+
+def trained(url: str) -> tuple[int, set[int]]:
+    """``trained_through``, and the feedback entries (seqs) the promoted versions still listed trained: one
+    settled past an entry carried over to a later batch is trained before the position reaches it."""
     listing = httpx.get(url + "/v1/adapters", timeout=30).json()
-    return max((v["log_position"] for v in listing["data"]), default=0)
+    seqs = {seq for v in listing["data"] if v["promoted"] for seq in v["metrics"].get("seqs", [])}
+    return max((v["log_position"] for v in listing["data"]), default=0), seqs
 
 
 # --- the load ---------------------------------------------------------------------------------------------------

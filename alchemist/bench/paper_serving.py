@@ -38,7 +38,8 @@ def workload(args: argparse.Namespace, tokenizer, rate: float, seed: int) -> onl
     them; each rate its own ``seed``, so that no prompt is served twice from the prefix cache."""
     spec = argparse.Namespace(
         num_requests=args.requests_per_rate, seed=seed, mode=args.mode, max_prompt_tokens=args.max_prompt_tokens,
-        request_rate=rate, feedback_fraction=args.feedback_fraction, max_tokens=args.max_tokens, feedback="correction",
+        request_rate=rate, feedback_fraction=args.feedback_fraction, max_tokens=args.max_tokens,
+        feedback=getattr(args, "feedback", "correction"),
     )  # fmt: skip
     return online.build_workload(spec, tokenizer)
 
@@ -74,7 +75,7 @@ def serving_rows(args: argparse.Namespace) -> list[dict]:
                 print(f"# capacity {saturation:.3f} req/s ({run}): rates {rates}", file=sys.stderr)
             for i, rate in enumerate(rates):
                 work = workload(args, tokenizer, rate, args.seed + i)
-                watch = TrainedThrough(lambda url=server.url: online.trained_through(url), args.served_interval_s)
+                watch = TrainedThrough(lambda url=server.url: online.trained(url), args.served_interval_s)
                 row, _, done = online.measure_load(server.url, args, run, work, train=training == "on", watch=watch)
                 if training == "off":
                     row.update(dict.fromkeys(online.TRAINING_FIELDS))
