@@ -11,9 +11,13 @@ runs between engine steps.
 
 Work runs in slices, never at the same time as a step (concurrent training slowed decode steps severalfold on this
 CPU: docs/benchmarks.md, "Training beside a step"), and a slice cannot be stopped once started. With requests in
-flight, a token's time is a step plus whatever runs before the next one, so after each step training may spend what
-the TPOT objective leaves (``tpot_s - step_s``): slices run while the next one's estimate (an exponential average of
-recent slices) fits in what is left. A request waiting for admission goes first: no slice starts that would end
+flight, a token's time is a step plus whatever runs before the next one, so each step earns training what the TPOT
+objective leaves (``tpot_s - step_s``), as credit: slices run while the next one's estimate (an exponential average
+of recent slices) fits in the credit, which is kept up to one such slice or one objective, whichever is longer (a
+slice that outlasts it is owed, as much again at most; steps over the objective spend it too). A
+request's mean time per token (its TPOT) so stays within the objective, while slices longer than one step's slack
+still run, every few steps (spent step by step, a slack shorter than any slice was lost every step, and training
+crawled at one slice a second beside a light load: docs/benchmarks.md, "Training beside a light load"). A request waiting for admission goes first: no slice starts that would end
 later than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over the TPOT
 objective) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
 has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
@@ -63,22 +67,27 @@ class TimeShare:
         self.clock = clock
         self.on_slice = on_slice
         self.slice_s: float | None = None  # the next slice's estimate (None before the first)
+        self.credit_s = 0.0  # what the objective left after recent steps, not spent yet
         self.kept_out_since: float | None = None  # since when training has had work and no slice
 
     def ready(self) -> bool:
         return self.work.has_work()
 
     def after_step(self, step_s: float) -> None:
-        """An engine step took ``step_s`` with requests in flight: training's slices in what the objective leaves
-        before the next step, or one anyway if it has been kept out too long."""
-        left_s = self.objective.tpot_s - step_s
-        while self.ready() and self._fits(left_s):
+        """An engine step took ``step_s`` with requests in flight: training's slices in the credit the objective
+        has left after it and the steps before, or one anyway if it has been kept out too long."""
+        if not self.ready():
+            self.kept_out_since, self.credit_s = None, 0.0  # nothing is owed to work that was not there
+            return
+        cap_s = max(self.objective.tpot_s, self.slice_s or 0.0)
+        self.credit_s = min(cap_s, self.credit_s + self.objective.tpot_s - step_s)
+        while self.ready() and self._fits(self.credit_s):
             took_s = self.run_slice(serving=True)
             if took_s <= 0:  # it failed: serving goes on
                 break
-            left_s -= took_s
+            self.credit_s = max(-cap_s, self.credit_s - took_s)  # a slice longer than the credit is owed
         if not self.ready():
-            self.kept_out_since = None
+            self.kept_out_since, self.credit_s = None, 0.0
             return
         now = self.clock()
         if self.kept_out_since is None:

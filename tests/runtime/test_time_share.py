@@ -37,15 +37,16 @@ class Work:
 
     def __init__(self, clock: Clock, slices: int = 1000) -> None:
         self.clock, self.left, self.started = clock, slices, []
+        self.slice_s = SLICE_S
 
     def has_work(self) -> bool:
         return self.left > 0
 
     def run_slice(self) -> float:
         self.started.append(self.clock.now)
-        self.clock.now += SLICE_S
+        self.clock.now += self.slice_s
         self.left -= 1
-        return SLICE_S
+        return self.slice_s
 
 
 def policy(tpot_s: float, ttft_s: float = 10.0, waiting_since=lambda: None) -> tuple[TimeShare, Work, Clock]:
@@ -65,9 +66,35 @@ def step(share: TimeShare, clock: Clock, step_s: float) -> int:
 def test_slices_run_in_what_the_objective_leaves_and_never_past_it():
     share, _, clock = policy(tpot_s=0.050)
     assert step(share, clock, 0.030) == 2  # 20 ms left: 8 + 8, and the next 8 would end past the objective
-    assert step(share, clock, 0.045) == 0  # 5 ms left: a slice as long as the last ones does not fit
-    assert step(share, clock, 0.020) == 3  # 30 ms left
-    assert step(share, clock, 0.050) == 0  # at the objective: nothing left
+    assert step(share, clock, 0.045) == 1  # 5 ms left, and the 4 left before: a slice of 8 fits (1 ms left)
+    assert step(share, clock, 0.020) == 3  # 31 ms
+    assert step(share, clock, 0.050) == 0  # at the objective: nothing more (7 ms kept)
+    assert step(share, clock, 0.060) == 0 and share.credit_s == pytest.approx(-0.003)  # a step over it spends it
+
+
+def test_a_slack_shorter_than_a_slice_adds_up_over_steps_and_no_mean_past_the_objective():
+    """Steps 3 ms short of the objective, slices of 8: a slice every few steps, and a token's mean time (a step and
+    the slices after it) never past the objective over any run of steps from the start."""
+    share, work, clock = policy(tpot_s=0.050)
+    share.slice_s = SLICE_S  # slices as long as the last ones
+    ran = [step(share, clock, 0.047) for _ in range(40)]
+    assert ran[:6] == [0, 0, 1, 0, 0, 1] and sum(ran) == 40 * 3 // 8
+    spent = 0.0
+    for n, slices in enumerate(ran, start=1):
+        spent += 0.047 + slices * SLICE_S
+        assert spent <= n * 0.050 + 1e-9
+
+
+def test_credit_is_kept_up_to_a_slice_or_an_objective_and_a_slice_past_it_is_owed():
+    share, work, clock = policy(tpot_s=0.050)
+    work.left = 0
+    assert step(share, clock, 0.010) == 0 and share.credit_s == 0.0  # no work: nothing is kept for later
+    work.left, work.slice_s, share.slice_s = 1000, 0.200, 0.200  # slices of 200 ms lately
+    assert [step(share, clock, 0.010) for _ in range(6)] == [0, 0, 0, 0, 1, 0]  # 40 ms a step, kept up to 200
+    assert [step(share, clock, 0.010) for _ in range(3)] == [0, 0, 0] and share.credit_s == pytest.approx(0.160)
+    work.slice_s = 0.300  # the next slice outlasts the estimate: 100 ms owed, and the estimate grows to 230
+    assert step(share, clock, 0.010) == 1 and share.credit_s == pytest.approx(-0.100)
+    assert [step(share, clock, 0.010) for _ in range(9)] == [0] * 8 + [1]  # (230 + 100) / 40 steps
 
 
 def test_saturated_serving_keeps_training_out_but_for_a_slice_after_a_long_wait():
@@ -94,9 +121,9 @@ def test_a_request_waiting_for_admission_goes_first():
     assert step(share, clock, 0.010) == 0
     arrived[0] = clock.now  # just arrived: slices while they end within its TTFT (12 x 8 ms <= 100 ms)
     assert step(share, clock, 0.0) == 12
-    arrived[0] = None  # admitted: what the TPOT objective leaves (490 ms: 61 slices)
-    assert step(share, clock, 0.010) == 61
-    assert work.left == 1000 - 1 - 12 - 61
+    arrived[0] = None  # admitted: the credit, kept up to one objective (500 ms: 62 slices)
+    assert step(share, clock, 0.010) == 62
+    assert work.left == 1000 - 1 - 12 - 62
 
 
 # --- in the stepping loop ---------------------------------------------------------------------------------------
