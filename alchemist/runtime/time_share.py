@@ -14,11 +14,11 @@ CPU: docs/benchmarks.md, "Training beside a step"), and a slice cannot be stoppe
 flight, a token's time is a step plus whatever runs before the next one, so each step earns training what the TPOT
 objective leaves (``tpot_s - step_s``), as credit: slices run while the next one's estimate (an exponential average
 of recent slices) fits in the credit, which is kept up to one such slice or one objective, whichever is longer (a
-slice that outlasts it is owed, as much again at most; steps over the objective spend it too). A
-request's mean time per token (its TPOT) so stays within the objective, while slices longer than one step's slack
-still run, every few steps (spent step by step, a slack shorter than any slice was lost every step, and training
-crawled at one slice a second beside a light load: docs/benchmarks.md, "Training beside a light load"). A request waiting for admission goes first: no slice starts that would end
-later than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over the TPOT
+slice that outlasts it is owed, as much again at most; steps over the objective spend it too). A request's mean time
+per token (its TPOT) so stays within the objective, while slices longer than one step's slack still run, every few
+steps (spent step by step, a slack shorter than any slice was lost every step, and training crawled beside a light
+load: docs/benchmarks.md, "Training beside a light load"). A request waiting for admission goes first: no slice
+starts that would end later than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over the TPOT
 objective) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
 has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
 closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on
