@@ -226,8 +226,52 @@ def memory_block(meta: dict, folder: Path) -> str:
                      for name, rows in parts.items())
 
 
+# Issue 42's goals for training on against off under the same open-loop load: (row field, most on / off).
+SERVING_GOALS = (("tpot_p50_ms", 1.10), ("tpot_p99_ms", 1.25), ("ttft_p99_ms", 1.25))
+SERVED_WITHIN_S = 60.0  # ... and every correction served within a minute of its acknowledgement
+
+
+def paper_block(meta: dict, folder: Path) -> str:
+    """`bench paper`'s serving claim, per invocation (``meta["files"]``: label -> rows): each run's latency at each
+    rate, the training it did under the load and each correction's time to serve; then training on against the off
+    run at the same rate (the first invocation's that has one) with issue 42's goals; then ``meta["images"]``."""
+    runs = [(label, r) for label, file in meta["files"].items() for r in read_rows(folder / file)]
+    claims = {r["claim"] for _, r in runs} - {"serving"}
+    if claims:
+        raise ValueError(f"{folder.name}: rows of claims this page does not render yet: {sorted(claims)}")
+    header = ["invocation", "run", "req/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
+              "slices under load: n, s", "steps", "served s: p50 / max", "unserved", "backlog max"]  # fmt: skip
+    body = [[label, r["run"], r["rate"], f"{f1(r['ttft_p50_ms'])} / {f1(r['ttft_p99_ms'])}",
+             f"{f1(r['tpot_p50_ms'])} / {f1(r['tpot_p99_ms'])}", f1(r["itl_p99_ms"]),
+             f"{r['slices_load']}, {f1(r['slice_s_load'])}", "-" if r["steps"] is None else r["steps"],
+             "-" if r["served_s"] is None else f"{f1(r['served_p50_s'])} / {f1(r['served_max_s'])}",
+             "-" if r["unserved"] is None else r["unserved"], "-" if r["backlog_max"] is None else r["backlog_max"]]
+            for label, r in runs]  # fmt: skip
+    off = {}
+    for _, r in runs:
+        if r["training"] == "off" and r["recording"] == "off":
+            off.setdefault(r["rate"], r)
+    goals = []
+    for label, r in runs:
+        if r["training"] != "on" or r["rate"] not in off:
+            continue
+        for field, most in SERVING_GOALS:
+            value = r[field] / off[r["rate"]][field]
+            goals.append([label, r["run"], r["rate"], f"{field} on / off", f"**{value:.2f}**", f"<= {most}",
+                          "met" if value <= most else "not met"])  # fmt: skip
+        served = r["served_max_s"] if not r["unserved"] else None
+        goals.append([label, r["run"], r["rate"], "slowest correction served s",
+                      f"**{f1(served)}**" if served is not None else f"**{r['unserved']} unserved**",
+                      f"<= {SERVED_WITHIN_S:.0f}", "met" if served is not None and served <= SERVED_WITHIN_S
+                      else "not met"])  # fmt: skip
+    blocks = [table(header, body), table(["invocation", "run", "req/s", "ratio", "value", "goal", ""], goals)]
+    blocks += [f"![{image}](results/{folder.name}/{image})\n" for image in meta.get("images", [])]
+    return "\n".join(blocks)
+
+
 RENDERERS: dict[str, Callable[[dict, Path], str]] = {
     "serve": serve_block, "online": online_block, "learn": learn_block, "soak": soak_block, "memory": memory_block,
+    "paper": paper_block,
 }
 
 
