@@ -12,18 +12,19 @@ runs between engine steps.
 Work runs in slices, never at the same time as a step (concurrent training slowed decode steps severalfold on this
 CPU: docs/benchmarks.md, "Training beside a step"), and a slice cannot be stopped once started. With requests in
 flight, a token's time is a step plus whatever runs before the next one, so each step earns training what the TPOT
-objective leaves (``tpot_s - step_s``), as credit: slices run while the next one's estimate (an exponential average
-of recent slices) fits in the credit, which is kept up to one such slice or one objective, whichever is longer (a
-slice that outlasts it is owed, as much again at most; steps over the objective spend it too). A request's mean time
-per token (its TPOT) so stays within the objective, while slices longer than one step's slack still run, every few
-steps (spent step by step, a slack shorter than any slice was lost every step, and training crawled beside a light
-load: docs/benchmarks.md, "Training beside a light load"). A request waiting for admission goes first: no slice
-starts that would end later than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated
-(steps at or over the TPOT objective) leaves training nothing; so that it still progresses, training kept out for
-``MAX_KEPT_OUT_S`` while it has work runs one slice anyway (as a full credit made it take its turn under the fixed
-share this replaced, against closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy
-(``QueueConfig.skip_*_after_s``) gives up on what waits too long. With no request in flight training runs slice
-after slice, and a new request waits for one slice at most.
+objective leaves (``tpot_s - step_s``; under a derived objective at least ``step_share`` of the step), as credit:
+slices run while the next one's estimate (an exponential average of recent slices) fits in the credit, which is
+kept up to one such slice or one objective, whichever is longer (a slice that outlasts it is owed, as much again at
+most; steps over the objective spend it too). A request's mean time per token (its TPOT) so stays within the
+objective, while slices longer than one step's slack still run, every few steps (spent step by step, a slack
+shorter than any slice was lost every step, and training crawled beside a light load: docs/benchmarks.md,
+"Training beside a light load"). A request waiting for admission goes first: no slice starts that would end later
+than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over a TPOT objective
+a user set) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
+has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
+closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on
+what waits too long. With no request in flight training runs slice after slice, and a new request waits for one
+slice at most.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class TimeShare:
             self.kept_out_since, self.credit_s = None, 0.0  # nothing is owed to work that was not there
             return
         cap_s = max(self.objective.tpot_s, self.slice_s or 0.0)
-        self.credit_s = min(cap_s, self.credit_s + self.objective.tpot_s - step_s)
+        earned_s = self.objective.tpot_s - step_s  # a step over a TPOT set by hand spends the credit
+        if self.objective.step_share:
+            earned_s = max(earned_s, self.objective.step_share * step_s)
+        self.credit_s = min(cap_s, self.credit_s + earned_s)
         while self.ready() and self._fits(self.credit_s):
             took_s = self.run_slice(serving=True)
             if took_s <= 0:  # it failed: serving goes on

@@ -49,10 +49,12 @@ class Work:
         return self.slice_s
 
 
-def policy(tpot_s: float, ttft_s: float = 10.0, waiting_since=lambda: None) -> tuple[TimeShare, Work, Clock]:
+def policy(
+    tpot_s: float, ttft_s: float = 10.0, waiting_since=lambda: None, step_share: float = 0.0
+) -> tuple[TimeShare, Work, Clock]:
     clock = Clock()
     work = Work(clock)
-    return TimeShare(work, LatencyObjective(tpot_s, ttft_s), waiting_since, clock), work, clock
+    return TimeShare(work, LatencyObjective(tpot_s, ttft_s, step_share), waiting_since, clock), work, clock
 
 
 def step(share: TimeShare, clock: Clock, step_s: float) -> int:
@@ -102,6 +104,20 @@ def test_saturated_serving_keeps_training_out_but_for_a_slice_after_a_long_wait(
     ran = [step(share, clock, 0.060) for _ in range(40)]  # every step over the objective, for 2.4 s
     assert sum(ran) == 2 and ran.index(1) == 17  # one slice each time training was kept out a second
     assert work.started[0] - 100.0 >= MAX_KEPT_OUT_S
+
+
+def test_under_a_derived_objective_training_adds_its_share_of_steps_over_it():
+    """Steps of 60 ms over a 50 ms objective that was derived (``step_share`` 0.1): a slice of 8 ms whenever a tenth
+    of the steps since adds up to it, so a token's mean time is never past 1.1 x its step's."""
+    share, work, clock = policy(tpot_s=0.050, step_share=0.1)
+    share.slice_s = SLICE_S
+    ran = [step(share, clock, 0.060) for _ in range(40)]
+    assert ran[:5] == [0, 1, 1, 1, 0] and sum(ran) == 40 * 6 // 8
+    spent = 0.0
+    for n, slices in enumerate(ran, start=1):
+        spent += 0.060 + slices * SLICE_S
+        assert spent <= n * 0.060 * 1.1 + 1e-9
+    assert step(share, clock, 0.030) == 2  # under the objective: what it leaves, if more (20 ms + 2 owed before)
 
 
 def test_without_work_nothing_runs_and_nothing_is_owed():
