@@ -232,13 +232,54 @@ SERVED_WITHIN_S = 60.0  # ... and every correction served within a minute of its
 
 
 def paper_block(meta: dict, folder: Path) -> str:
-    """`bench paper`'s serving claim, per invocation (``meta["files"]``: label -> rows): each run's latency at each
-    rate, the training it did under the load and each correction's time to serve; then training on against the off
-    run at the same rate (the first invocation's that has one) with issue 42's goals; then ``meta["images"]``."""
+    """`bench paper`'s rows, per invocation (``meta["files"]``: label -> rows), a table per claim they hold (training
+    throughput, memory, tokens under a budget: each with the paper's number and whether it was met; serving: each
+    run's latency at each rate, the training it did under the load and each correction's time to serve, then
+    training on against the off run at the same rate with issue 42's goals); then ``meta["images"]``."""
     runs = [(label, r) for label, file in meta["files"].items() for r in read_rows(folder / file)]
-    claims = {r["claim"] for _, r in runs} - {"serving"}
-    if claims:
-        raise ValueError(f"{folder.name}: rows of claims this page does not render yet: {sorted(claims)}")
+    blocks = []
+    for claim, render in (("throughput", _throughput), ("memory", _memory), ("budget", _budget),
+                          ("serving", _serving)):  # fmt: skip
+        rows = [(label, r) for label, r in runs if r["claim"] == claim]
+        if rows:
+            blocks.append(render(rows))
+    blocks += [f"![{image}](results/{folder.name}/{image})\n" for image in meta.get("images", [])]
+    return "\n".join(blocks)
+
+
+def _met(row: dict) -> str:
+    return "-" if row.get("met") is None else ("met" if row["met"] else "not met")
+
+
+def _throughput(rows: list[tuple[str, dict]]) -> str:
+    header = ["invocation", "prompt bucket", "P", "R", "trained tok/s: replay", "recompute", "transformers + PEFT",
+              "replay / recompute", "replay / PEFT", "paper", ""]  # fmt: skip
+    return table(header, [[label, r["bucket"], r["P"], r["R"], f1(r["replay_tok_s"]), f1(r["recompute_tok_s"]),
+                           f1(r["peft_tok_s"]), f"**{r['replay_vs_recompute']:.2f}**",
+                           "-" if r["replay_vs_peft"] is None else f"{r['replay_vs_peft']:.2f}",
+                           f">= {r['paper']}", _met(r)] for label, r in rows])  # fmt: skip
+
+
+def _memory(rows: list[tuple[str, dict]]) -> str:
+    header = ["invocation", "prompt bucket", "P", "R", "transient peak MiB: replay", "recompute", "transformers + PEFT",
+              "replay vs recompute", "replay vs PEFT", "paper", ""]  # fmt: skip
+    pct = lambda v: "-" if v is None else f"{v:+.0f}%"  # noqa: E731
+    return table(header, [[label, r["bucket"], r["P"], r["R"], f1(r["replay_mib"]), f1(r["recompute_mib"]),
+                           f1(r["peft_mib"]), f"**{pct(r['replay_vs_recompute_pct'])}**",
+                           pct(r["replay_vs_peft_pct"]), f"<= {r['paper']:+.0f}%", _met(r)]
+                          for label, r in rows])  # fmt: skip
+
+
+def _budget(rows: list[tuple[str, dict]]) -> str:
+    header = ["invocation", "mode", "budget MiB", "longest prompt that fits", "tokens a step", "peak MiB",
+              "tokens vs recompute", "paper", ""]  # fmt: skip
+    return table(header, [[label, r["mode"], r["budget_mib"], r["max_P"], r["tokens"], f1(r["peak_mib"]),
+                           "-" if r["tokens_vs_recompute"] is None else f"**{r['tokens_vs_recompute']:.2f}**",
+                           "-" if r["paper"] is None else f">= {r['paper']}", _met(r)]
+                          for label, r in rows])  # fmt: skip
+
+
+def _serving(runs: list[tuple[str, dict]]) -> str:
     header = ["invocation", "run", "req/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
               "slices under load: n, s", "steps", "served s: p50 / max", "unserved", "backlog max"]  # fmt: skip
     body = [[label, r["run"], r["rate"], f"{f1(r['ttft_p50_ms'])} / {f1(r['ttft_p99_ms'])}",
@@ -264,9 +305,7 @@ def paper_block(meta: dict, folder: Path) -> str:
                       f"**{f1(served)}**" if served is not None else f"**{r['unserved']} unserved**",
                       f"<= {SERVED_WITHIN_S:.0f}", "met" if served is not None and served <= SERVED_WITHIN_S
                       else "not met"])  # fmt: skip
-    blocks = [table(header, body), table(["invocation", "run", "req/s", "ratio", "value", "goal", ""], goals)]
-    blocks += [f"![{image}](results/{folder.name}/{image})\n" for image in meta.get("images", [])]
-    return "\n".join(blocks)
+    return table(header, body) + "\n" + table(["invocation", "run", "req/s", "ratio", "value", "goal", ""], goals)
 
 
 RENDERERS: dict[str, Callable[[dict, Path], str]] = {

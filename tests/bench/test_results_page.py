@@ -68,3 +68,32 @@ def test_the_memory_block_prints_each_part_as_the_benchmark_prints_it(tmp_path):
     block = results_page.memory_block({"rows": "m.jsonl"}, tmp_path)
     assert "memory:\n\n| shape | recompute_mib | replay_memory_pct |\n" in block
     assert "| 1024x128 | 1,577 | -81.3 |" in block and "| tokens per step | 6.6 | True |" in block
+
+
+def test_paper_rows_make_a_table_per_claim_with_the_papers_numbers(tmp_path):
+    """`bench paper`'s rows: a table per claim they hold, each ratio against the paper's number; serving's runs
+    against the off run at the same rate with issue 42's goals."""
+    rows = [
+        {"claim": "throughput", "bucket": "0-256", "P": 57, "R": 128, "replay_tok_s": 213.1, "recompute_tok_s": 209.4,
+         "peft_tok_s": 189.1, "replay_vs_recompute": 1.0176, "replay_vs_peft": 1.127, "paper": 1.72, "met": False},
+        {"claim": "memory", "bucket": "0-256", "P": 57, "R": 128, "replay_mib": 157.3, "recompute_mib": 307.3,
+         "peft_mib": 312.4, "replay_vs_recompute_pct": -48.8, "replay_vs_peft_pct": -49.6, "paper": -47.0, "met": True},
+        {"claim": "budget", "mode": "replay_disk", "budget_mib": 1024, "max_P": 2048, "tokens": 2176, "peak_mib": 990.0,
+         "tokens_vs_recompute": 2.5, "paper": 2.0, "met": True},
+    ]
+    serving = {"claim": "serving", "rate": 0.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 400.0, "tpot_p50_ms": 40.0,
+               "tpot_p99_ms": 60.0, "itl_p99_ms": 90.0, "slices_load": 0, "slice_s_load": 0.0, "steps": None,
+               "served_s": None, "served_p50_s": None, "served_max_s": None, "unserved": None, "backlog_max": None}
+    rows += [{**serving, "run": "off", "recording": "off", "training": "off"},
+             {**serving, "run": "train", "recording": "on", "training": "on", "tpot_p50_ms": 42.0,
+              "ttft_p99_ms": 600.0, "steps": 3, "served_s": [20.0, 70.0], "served_p50_s": 45.0, "served_max_s": 70.0,
+              "unserved": 0, "backlog_max": 2}]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    block = results_page.paper_block({"files": {"one": "rows.jsonl"}, "images": ["serving.png"]}, tmp_path)
+    assert "| one | 0-256 | 57 | 128 | 213.1 | 209.4 | 189.1 | **1.02** | 1.13 | >= 1.72 | not met |" in block
+    assert "| one | 0-256 | 57 | 128 | 157.3 | 307.3 | 312.4 | **-49%** | -50% | <= -47% | met |" in block
+    assert "| one | replay_disk | 1024 | 2048 | 2176 | 990.0 | **2.50** | >= 2.0 | met |" in block
+    assert "| one | train | 0.5 | tpot_p50_ms on / off | **1.05** | <= 1.1 | met |" in block
+    assert "| one | train | 0.5 | ttft_p99_ms on / off | **1.50** | <= 1.25 | not met |" in block
+    assert "| one | train | 0.5 | slowest correction served s | **70.0** | <= 60 | not met |" in block
+    assert block.endswith(f"![serving.png](results/{tmp_path.name}/serving.png)\n")
