@@ -118,6 +118,12 @@ class _TrainingCollector(Collector):
         layers.add_metric(["recompute"], s.layers_recomputed)
         yield layers
         yield CounterMetricFamily(
+            PREFIX + "training_carried",
+            "Corrections a mini-batch that yielded to those waiting behind it left queued, not learned yet, for the "
+            "next one (each time).",
+            value=s.carried,
+        )
+        yield CounterMetricFamily(
             PREFIX + "training_records_unreadable",
             "Replays abandoned because their record was corrupt or gone mid-read (recomputed instead).",
             value=s.unreadable,

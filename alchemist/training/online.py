@@ -229,6 +229,9 @@ class OnlineTrainer:
         # A rehearsed correction weighs what one of the batch's own does; the anchors share anchors.weight.
         rehearsed_scales = [c.objectives.sft_weight / max(len(feedback.sft), len(rehearsed), 1)] * len(rehearsed)
         entries = [entry for entry, _ in batch]
+        # what an earlier batch carried and this one does not hold (settled since, or left for a later batch) counts
+        # from zero again: the counts stay as few as a batch's entries
+        self._steps_of = {entry.seq: self._steps_of.get(entry.seq, 0) for entry in entries}
         steps: list[tuple[list[Sample], StepResult]] = []
         yielded = False  # the steps ended early for corrections waiting behind the batch
         for epoch in range(c.stopping.epochs):
@@ -243,7 +246,7 @@ class OnlineTrainer:
                 return  # suspects quarantined, no update: the rest of the batch, still queued, trains next without them
             steps.append((samples, step))
             for entry in entries:
-                self._steps_of[entry.seq] = self._steps_of.get(entry.seq, 0) + 1
+                self._steps_of[entry.seq] += 1
             if epoch + 1 == c.stopping.epochs:
                 break
             if self.stopping.reached_target(samples, step.passes) and (
@@ -255,8 +258,6 @@ class OnlineTrainer:
                 break
         carried = (yield from self._carried_slices(feedback, *steps[-1])) if yielded else set()
         done = [entry for entry in entries if entry.seq not in carried]
-        for entry in done:
-            self._steps_of.pop(entry.seq, None)
         self.stats.carried += len(carried)
         if not done:
             return  # every correction goes on in the next batch, beside those waiting, from this adapter

@@ -36,9 +36,10 @@ def test_prefix_cache_counters():
 def test_preference_passes_without_gradient_by_kind_and_path():
     metrics = ServerMetrics(lambda: _stats())
     # what the collector reads of an OnlineTrainer: its counters (a TrainingStats snapshot), anchors and version
-    stats = TrainingStats(reference_replayed=8, reference_recomputed=2, kl_replayed=5, kl_recomputed=1)
+    stats = TrainingStats(reference_replayed=8, reference_recomputed=2, kl_replayed=5, kl_recomputed=1, carried=4)
     metrics.watch_training(types.SimpleNamespace(stats=stats, anchors=[], version=3))
     text = metrics.render().decode()
+    assert "alchemist:training_carried_total 4.0" in text  # corrections a yielding batch left for the next
     for kind, path, value in (("reference", "replay", 8), ("reference", "recompute", 2), ("kl", "replay", 5),
                               ("kl", "recompute", 1)):  # fmt: skip
         assert f'alchemist:training_logp_passes_total{{kind="{kind}",path="{path}"}} {value}.0' in text
