@@ -225,12 +225,14 @@ class LLMEngine:
             return bool(self._seqs or self._pending.aborts or self._aborted)
 
     def waiting_since(self) -> float | None:
-        """When (``time.monotonic``) the longest-waiting request still waiting for admission arrived, among those with
-        no token yet (a preempted one had its first); None if there is none."""
+        """When (``time.monotonic``) the longest-waiting request without its first token arrived: still waiting for
+        admission, or admitted with its prompt's prefill not done (chunked over steps; a preempted request had its
+        first token); None if there is none."""
         with self._lock:
             arrivals = [seq.arrival_s for seq in self._pending.adds]
-        with self._step_lock:  # an abort applied at once changes the waiting queue
-            arrivals += [seq.arrival_s for seq in self.scheduler.waiting if seq.first_token_s is None]
+        with self._step_lock:  # an abort applied at once changes the queues
+            for queue in (self.scheduler.waiting, self.scheduler.running):
+                arrivals += [seq.arrival_s for seq in queue if seq.first_token_s is None]
         return min(arrivals, default=None)
 
     def set_tpot_objective(self, seconds: float | None) -> None:

@@ -18,8 +18,9 @@ kept up to one such slice or one objective, whichever is longer (a slice that ou
 most; steps over the objective spend it too). A request's mean time per token (its TPOT) so stays within the
 objective, while slices longer than one step's slack still run, every few steps (spent step by step, a slack
 shorter than any slice was lost every step, and training crawled beside a light load: docs/benchmarks.md,
-"Training beside a light load"). A request waiting for admission goes first: no slice starts that would end later
-than its TTFT objective allows (``ttft_s`` after its arrival). Serving saturated (steps at or over a TPOT objective
+"Training beside a light load"). A request waiting for its first token (for admission, or for the rest of its
+prompt's prefill) goes first: no slice starts that would end later than its TTFT objective allows (``ttft_s`` after
+its arrival). Serving saturated (steps at or over a TPOT objective
 a user set) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
 has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
 closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on
@@ -59,9 +60,9 @@ class TimeShare:
         clock: Callable[[], float] = time.monotonic,
         on_slice: Callable[[float, bool], None] | None = None,
     ) -> None:
-        """``waiting_since``: when the longest-waiting request not yet admitted arrived, on ``clock`` (the engine's,
-        ``time.monotonic``), or None; ``on_slice(seconds, serving)``: told each slice's time and whether requests
-        were in flight (metrics)."""
+        """``waiting_since``: when the longest-waiting request without its first token arrived, on ``clock`` (the
+        engine's, ``time.monotonic``), or None; ``on_slice(seconds, serving)``: told each slice's time and whether
+        requests were in flight (metrics)."""
         self.work = work
         self.objective = objective
         self.waiting_since = waiting_since

@@ -224,20 +224,27 @@ def test_steps_over_the_objective_keep_training_out(tiny_dirs, monkeypatch):
     assert not any(serving for kind, _, serving in work.observed if kind == "slice")
 
 
-@pytest.mark.parametrize("waited", [True, False])
-def test_a_request_that_waits_past_its_ttft_keeps_training_out(tiny_dirs, waited):
-    """A TTFT of 1 ns: once a request waits for admission, no slice fits before it is admitted."""
+@pytest.mark.parametrize("waits", ["admission", "prefill", None])
+def test_a_request_that_waits_past_its_ttft_keeps_training_out(tiny_dirs, waits):
+    """A TTFT of 1 ns: once a request waits for its first token, for admission or for the rest of its prompt's
+    prefill (chunked over steps), no slice fits before it has it."""
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
-    engine = LLMEngine(model, char_tokenizer(), EngineConfig(max_num_seqs=4, max_model_len=512))
+    config = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=16)
+    engine = LLMEngine(model, char_tokenizer(), config)
     work = OneSliceAStep(engine)
     share = TimeShare(work, LatencyObjective(tpot_s=60.0, ttft_s=1e-9), engine.waiting_since)
     engine.add_request("first", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()
     work.owed = True
-    if waited:
+    if waits == "admission":
         engine.add_request("second", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
+    if waits == "prefill":  # 40 prompt tokens, 16 a step at most: admitted, its prefill not done after a step
+        engine.add_request("second", list(range(4, 44)), SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()
+        assert engine.waiting_since() is not None and not engine.scheduler.waiting
     share.after_step(0.0)
-    assert work.events == ([] if waited else ["slice"])
-    engine.step()  # "second" is admitted: training's slice comes after this step
+    assert work.events == ([] if waits else ["slice"])
+    while engine.waiting_since() is not None:
+        engine.step()  # until "second" has its first token: training's slice comes after that step
     share.after_step(0.0)
     assert work.events == ["slice"]
