@@ -205,6 +205,32 @@ def test_anchors_take_turns_over_a_batchs_steps(engine, tmp_path):
     assert all(a.targets is not None for a in trainer.anchors.recent(5))  # targets once per anchor, for all steps
 
 
+def test_a_step_of_anchors_in_turn_is_the_step_of_those_anchors_alone(engine, tmp_path):
+    """The cheaper path is the old one over fewer anchors: a step with ``turn`` 2 over five anchors updates the
+    adapter exactly as a step over its three (every second: a4, a2, a0) with all of them every step."""
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    sections = {"stopping": {"epochs": 1}, "trainer": {"replay": False}}
+    in_turn_, _, _ = online(engine, tmp_path / "a", anchors={"samples": 5, "turn": 2}, **sections)
+    alone, log_b, _ = online(engine, tmp_path / "b", anchors={"samples": 3}, **sections)
+    for i in range(5):
+        anchor = Anchor(f"a{i}", [1, 2, 3, 4 + i], [5, 6, 7 + i])
+        in_turn_.anchors.offer(anchor)
+        if i % 2 == 0:
+            alone.anchors.offer(Anchor(anchor.response_id, anchor.prompt_ids, anchor.response_ids))
+    for seq in serve_and_log(engine, in_turn_.log, 2):  # the same feedback in both logs
+        e = in_turn_.log.get(seq)
+        log_b.append(response_id=e.response_id, kind=e.kind, correction=e.correction,
+                     prompt_token_ids=e.prompt_token_ids, response_token_ids=e.response_token_ids,
+                     output_token_ids=e.output_token_ids, adapter_version=0, recorded=False)  # fmt: skip
+    drain(in_turn_), drain(alone)
+    assert in_turn_.stats.anchor_samples == alone.stats.anchor_samples == 3
+    a, b = in_turn_.adapter.state_dict(), alone.adapter.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    initial = online(engine, tmp_path / "c", anchors={"samples": 3}, **sections)[0].adapter.state_dict()
+    assert any(not torch.equal(a[k], initial[k]) for k in a)  # the step moved the adapter
+
+
 def test_no_anchors_when_their_weight_is_zero(engine, tmp_path):
     trainer, log, _ = online(engine, tmp_path, anchors={"weight": 0.0}, stopping={"epochs": 1})
     trainer.anchors.offer(Anchor("a0", [1, 2, 3], [4, 5]))
