@@ -38,8 +38,7 @@ def workload(args: argparse.Namespace, tokenizer, rate: float, seed: int) -> onl
     them; each rate its own ``seed``, so that no prompt is served twice from the prefix cache."""
     spec = argparse.Namespace(
         num_requests=args.requests_per_rate, seed=seed, mode=args.mode, max_prompt_tokens=args.max_prompt_tokens,
-        request_rate=rate, feedback_fraction=args.feedback_fraction, max_tokens=args.max_tokens,
-        feedback=getattr(args, "feedback", "correction"),
+        request_rate=rate, feedback_fraction=args.feedback_fraction, max_tokens=args.max_tokens, feedback=args.feedback,
     )  # fmt: skip
     return online.build_workload(spec, tokenizer)
 

@@ -228,7 +228,7 @@ class AnchorsConfig:
     # anchors, docs/benchmarks.md "Learning with the defaults").
     known_facts: Annotated[int, flag("train-anchor-known-facts", "well-known facts kept as anchors each "
                                      "step (0: none)")] = 8  # fmt: skip
-    # The anchors were 70% of a teach step's time; spread over 4 steps (each still weighs anchors.weight, a mean over
+    # The anchors were most of a teach step's time; spread over 4 steps (each still weighs anchors.weight, a mean over
     # its quarter) a step of ten corrections took half the time, the same facts were learned and nothing else moved
     # more (docs/benchmarks.md, "Anchors in turn").
     turn: Annotated[int, flag("train-anchor-turn", "steps a batch's anchors are spread over: each step trains "

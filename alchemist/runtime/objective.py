@@ -39,7 +39,7 @@ PROBE_DECODE_STEPS = 8  # decode steps of the probe's batch; the first is left o
 @dataclass(frozen=True)
 class LatencyObjective:
     tpot_s: float  # time per output token: an engine step plus the training that may run before the next
-    ttft_s: float  # time to first token: no training slice while a request waiting for admission would miss it
+    ttft_s: float  # time to first token: no training slice while a request waiting for its first would miss it
     # ... and, where the TPOT was derived, training may add this fraction of any step, even one over it: the probe's
     # unloaded steps are shorter than steps under load (ShareGPT at 1 request a second on an AMX Xeon: 44 ms against
     # a 35 ms objective), where training otherwise got 1% of the time (docs/benchmarks.md, "Training beside a light

@@ -20,12 +20,11 @@ objective, while slices longer than one step's slack still run, every few steps 
 shorter than any slice was lost every step, and training crawled beside a light load: docs/benchmarks.md,
 "Training beside a light load"). A request waiting for its first token (for admission, or for the rest of its
 prompt's prefill) goes first: no slice starts that would end later than its TTFT objective allows (``ttft_s`` after
-its arrival). Serving saturated (steps at or over a TPOT objective
-a user set) leaves training nothing; so that it still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it
-has work runs one slice anyway (as a full credit made it take its turn under the fixed share this replaced, against
-closed-loop loads: docs/benchmarks.md, "Soak"), and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on
-what waits too long. With no request in flight training runs slice after slice, and a new request waits for one
-slice at most.
+its arrival). Serving saturated (steps at or over a TPOT objective a user set) leaves training nothing; so that it
+still progresses, training kept out for ``MAX_KEPT_OUT_S`` while it has work runs one slice anyway (as a full credit
+made it take its turn under the fixed share this replaced, against closed-loop loads: docs/benchmarks.md, "Soak"),
+and the backlog policy (``QueueConfig.skip_*_after_s``) gives up on what waits too long. With no request in flight
+training runs slice after slice, and a new request waits for one slice at most.
 """
 
 from __future__ import annotations

@@ -271,14 +271,12 @@ class OnlineTrainer:
     def _carried_slices(self, feedback: FeedbackBatch, samples: list[Sample], step: StepResult) -> Generator[
             None, None, set[int]]:  # fmt: skip
         """The seqs of the batch's corrections that go on in the next batch (left queued in the log) when its steps
-        end for corrections waiting behind it: those not learned yet (``stopping``'s test: the loss, then each
-        token) that have had fewer than ``epochs`` steps, over batches. The others are settled with this batch."""
-        epochs, target = self.config.stopping.epochs, self.config.stopping.target_loss
-        sft = list(zip(feedback.sft, samples, step.passes, strict=False))  # a batch's samples: its SFT ones first
-        near = [(item, sample) for item, sample, (loss, _) in sft if loss < target]
-        learned = yield from self.stopping.learned_each_slices([sample for _, sample in near])
-        settled = {item.seq for (item, _), ok in zip(near, learned, strict=True) if ok}
-        return {item.seq for item, _, _ in sft if item.seq not in settled and self._steps_of[item.seq] < epochs}
+        end for corrections waiting behind it: those not learned yet (``stopping``'s test, one at a time) that have
+        had fewer than ``epochs`` steps, over batches. The others are settled with this batch."""
+        learned = yield from self.stopping.learned_each_slices(samples, step.passes)  # its SFT samples, in order
+        epochs = self.config.stopping.epochs
+        return {item.seq for item, ok in zip(feedback.sft, learned, strict=True)
+                if not ok and self._steps_of[item.seq] < epochs}  # fmt: skip
 
     def _prepare_slices(self, feedback: FeedbackBatch) -> Generator[None, None, list[Sample]]:
         """What every step of the batch uses, computed once: the base model's log-probabilities of the preference

@@ -43,11 +43,26 @@ class Stopping:
         every token likelier than ``target_token_p`` given those before it, a pass without gradient over them
         (``target_token_p`` 0: true). Asked once their mean losses are under ``target_loss``, which a correction
         with a wrong name or year left passed the same."""
-        return all((yield from self.learned_each_slices(samples)))
+        return all((yield from self._says_slices(samples)))
 
-    def learned_each_slices(self, samples: list[Sample]) -> Generator[None, None, list[bool]]:
+    def learned_each_slices(
+        self, samples: list[Sample], results: list[tuple[float, bool]]
+    ) -> Generator[None, None, list[bool]]:
         """For each of ``samples`` without a preference term (corrections, thumbs-up answers), in their order,
-        whether the adapter as updated says it itself (``learned_slices``' test, one pass over them all)."""
+        whether it is learned by this step's test, one at a time: its loss in the step (``results``, before the
+        update) under ``target_loss``, then ``learned_slices``' test (one pass over those under the loss)."""
+        target = self.config.target_loss
+        sft = [(s, loss) for s, (loss, _) in zip(samples, results, strict=False) if s.term is None]
+        near = [i for i, (_, loss) in enumerate(sft) if target and loss < target]
+        said = yield from self._says_slices([sft[i][0] for i in near])
+        learned = [False] * len(sft)
+        for i, ok in zip(near, said, strict=True):
+            learned[i] = ok
+        return learned
+
+    def _says_slices(self, samples: list[Sample]) -> Generator[None, None, list[bool]]:
+        """For each of ``samples`` without a preference term, whether the adapter as updated gives every one of its
+        tokens more than ``target_token_p`` (all true where that is 0)."""
         p = self.config.target_token_p
         sft = [(s.prompt_ids, s.response_ids) for s in samples if s.term is None]
         if not p or not sft:

@@ -208,17 +208,24 @@ def test_a_yielding_batch_settles_its_learned_corrections_and_carries_the_others
     """When a batch yields, a correction the adapter already says (its loss in the step under ``target_loss``,
     then every token likelier than ``target_token_p``) is settled with the batch's version; one whose loss is not
     under the target goes on, unless it has had ``epochs`` steps."""
-    trainer, log, _ = online(engine, tmp_path, stopping={"epochs": 4, "target_loss": 1.0, "target_token_p": 1e-9})
+    trainer, log, _ = online(engine, tmp_path, stopping={"epochs": 4, "target_loss": 1.0, "target_token_p": 1e-9},
+                             queue={"batch_size": 3})  # fmt: skip
     seqs = serve_and_log(engine, log, 3)
     feedback = FeedbackBatch([it for _, it in trainer.queue.head()], trainer.config.objectives)
     samples = [Sample(it.prompt_ids, it.response_ids, it.record_id) for it in feedback.sft]
-    trainer._steps_of = {seqs[0]: 1, seqs[1]: 1}
-    step = StepResult(1.0, 2, 12, 0, 2, 1, 0.0, passes=[(0.5, False), (5.0, False)])
-    assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[1]}  # seqs[0]: learned
+    trainer._steps_of = {seqs[0]: 1, seqs[1]: 1, seqs[2]: 4}
+    step = StepResult(1.0, 3, 18, 0, 3, 1, 0.0, passes=[(0.5, False), (5.0, False), (5.0, False)])
+    assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[1]}  # 0: learned; 2: its epochs
     trainer.config.stopping.target_token_p = 1 - 1e-9  # no token of a random model is that likely
     assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[0], seqs[1]}
     trainer._steps_of[seqs[1]] = 4  # had its epochs: settled, learned or not
     assert run_to_end_of(trainer._carried_slices(feedback, samples, step)) == {seqs[0]}
+    # one at a time, the test of the batch's end: the loss first (no target: none), the tokens of those under it
+    assert run_to_end_of(trainer.stopping.learned_each_slices(samples, step.passes)) == [False, False, False]
+    trainer.config.stopping.target_token_p = 1e-9
+    assert run_to_end_of(trainer.stopping.learned_each_slices(samples, step.passes)) == [True, False, False]
+    trainer.config.stopping.target_loss = 0.0
+    assert run_to_end_of(trainer.stopping.learned_each_slices(samples, step.passes)) == [False, False, False]
 
 
 def test_rehearsal_trains_earlier_corrections_in_turn_beside_each_batch(engine, tmp_path):
