@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from alchemist.model import cpu_kernels
-from alchemist.model.attention import KVCache, decode_kernel_applies
+from alchemist.model.attention import KVCache
 from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.rope import Rotation, apply_rotary
@@ -131,12 +131,12 @@ def compiled_decode_supported(cache: KVCache) -> bool:
 
 
 def compiled_decode_applies(cache: KVCache, setting: bool | None) -> bool:
-    """``EngineConfig.compile_decode``: None (the default) compiles where it was measured faster, a bf16 cache whose
-    eager decode already runs our kernel (``decode_kernel_applies``); True wherever it can run (fp32 included: the
-    exactness tests); False never (``--enforce-eager``)."""
+    """``EngineConfig.compile_decode``: None (the default) compiles where it was measured faster, a bf16 cache (on a
+    Zen 5, and on an AMX Xeon, where eager decode attention is ATen's: docs/benchmarks.md, "Compiled decode step");
+    True wherever it can run (fp32 included: the exactness tests); False never (``--enforce-eager``)."""
     if setting is False or not compiled_decode_supported(cache):
         return False
-    return setting is True or decode_kernel_applies(cache.k[0])
+    return setting is True or cache.k[0].dtype == torch.bfloat16
 
 
 class CompiledDecode:

@@ -35,11 +35,7 @@ params = SamplingParams(temperature=0, ignore_eos=True)
 for engine in engines.values():
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-    while (
-        engine.has_arrivals()
-        or engine.scheduler.waiting
-        or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running)
-    ):
+    while engine.waiting_since() is not None:  # until every prompt has its first token
         engine.step()
     for _ in range(3):
         engine.step()

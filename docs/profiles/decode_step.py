@@ -25,11 +25,7 @@ for i in range(B):
     engine.add_request(
         f"r{i}", torch.randint(0, engine.model.config.vocab_size, (CONTEXT,), generator=g).tolist(), params
     )
-while (
-    engine.has_arrivals()
-    or engine.scheduler.waiting
-    or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running)
-):
+while engine.waiting_since() is not None:  # until every prompt has its first token
     engine.step()
 for _ in range(3):
     engine.step()

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.engine.compiled_decode import compiled_decode_applies, compiled_decode_supported
+from alchemist.model.attention import KVCache
 from alchemist.model.loader import build_model
 from tests.engine.helpers import (
     DEFAULT_EOS_ID,
@@ -85,8 +86,10 @@ def test_compiled_bf16_agrees_with_eager_to_rounding(tiny_dirs):
         assert compiled[1].logprob == pytest.approx(eager[1].logprob, abs=0.05)
 
 
-def test_applies_by_default_only_where_our_kernel_decodes(make_engine):
+def test_applies_by_default_to_a_bf16_cache(make_engine):
     fp32 = make_engine().runner.cache
     assert compiled_decode_supported(fp32)
     assert not compiled_decode_applies(fp32, None)  # fp32 serves eager unless asked
     assert compiled_decode_applies(fp32, True) and not compiled_decode_applies(fp32, False)
+    bf16 = KVCache(2, 4, 32, 1, 16, torch.bfloat16)  # with or without AMX
+    assert compiled_decode_applies(bf16, None) and not compiled_decode_applies(bf16, False)
