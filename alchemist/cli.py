@@ -39,6 +39,11 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.serve.scale.replicas > 1:
+        from alchemist.scale.serve import serve_replicas
+
+        serve_replicas(args.serve)
+        return 0
     from alchemist.runtime import build
     from alchemist.server.app import run_server
 

@@ -80,6 +80,10 @@ def _get(config: Config, path: str):
     return config
 
 
+# Settings that other settings must go with (Config.check): replicas share a PostgreSQL log and do not train yet.
+COMPANIONS = {"scale.replicas": ["--feedback-db", "postgresql://db.example/alchemist", "--no-train"]}
+
+
 def _nested(path: str, value) -> dict:
     for part in reversed(path.split(".")):
         value = {part: value}
@@ -93,7 +97,9 @@ def test_every_field_has_a_flag_with_help_and_a_file_key(tmp_path, capsys):
         parse_config(["--help"])
     assert done.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    for section in ("engine options", "record options", "online options", "online.trainer options", "server options"):
+    sections = ("engine options", "record options", "online options", "online.trainer options", "server options",
+                "scale options")  # fmt: skip
+    for section in sections:
         assert section in help_text
     paths = []
     for path, cls, field in leaves():
@@ -103,10 +109,11 @@ def test_every_field_has_a_flag_with_help_and_a_file_key(tmp_path, capsys):
         assert flag_help(cls, field.name), f"{path} has no help"
         value = _other_value(cls, field)
         assert value != field.default, path
-        assert _get(parse_config(_typed(cls, field.name, value)), path) == value, path
+        companions = COMPANIONS.get(path, [])
+        assert _get(parse_config(_typed(cls, field.name, value) + companions), path) == value, path
         file = tmp_path / f"{path}.yaml"
         file.write_text(yaml.safe_dump(_nested(path, list(value) if isinstance(value, tuple) else value)))
-        assert _get(parse_config(["--config", str(file)]), path) == value, path
+        assert _get(parse_config(["--config", str(file), *companions]), path) == value, path
     assert len(paths) == len(set(paths)) > 80
     toml = tmp_path / "serve.toml"
     toml.write_text('[engine]\nmax_num_seqs = 7\n[online.trainer]\nlr = 1e-3\n')
@@ -208,6 +215,10 @@ BAD_FLAGS = [
     (["--max-streams-per-key", "-1"], "--max-streams-per-key must be an integer >= 0"),
     (["--record-quota-mb-per-hour", "-1"], "--record-quota-mb-per-hour must be >= 0"),
     (["--host", "0.0.0.0"], "--host is not a loopback address"),
+    (["--replicas", "0"], "--replicas must be a positive integer"),
+    (["--ray-address", " "], "--ray-address must not be empty"),
+    (["--replicas", "2"], "--replicas above 1 needs a feedback log the replicas share"),
+    (["--replicas", "2", "--feedback-db", "postgresql://db.example/a"], "--replicas above 1 do not train yet"),
 ]
 # Checked by the parser's types before any check runs (choices, numbers, bools): its error names the flag too.
 BAD_TYPES = [

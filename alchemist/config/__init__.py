@@ -11,11 +11,12 @@ from alchemist.config.engine import DEFAULT_MAX_MODEL_LEN, DEVICE_CHOICES, DTYPE
 from alchemist.config.fields import FieldError
 from alchemist.config.record import EVICT_PRIORITIES, RECORD_DTYPES, RECORD_POLICIES, RecordConfig, check_budgets
 from alchemist.config.root import Config
+from alchemist.config.scale import ScaleConfig
 from alchemist.config.server import ACCESS_CHOICES, ServerConfig, is_loopback
 from alchemist.config.training import OnlineConfig, TrainerConfig
 
 __all__ = [
     "ACCESS_CHOICES", "DEFAULT_MAX_MODEL_LEN", "DEVICE_CHOICES", "DTYPE_CHOICES", "EVICT_PRIORITIES", "RECORD_DTYPES",
-    "RECORD_POLICIES", "Config", "EngineConfig", "FieldError", "OnlineConfig", "RecordConfig", "ServerConfig",
-    "TrainerConfig", "check_budgets", "is_loopback",
+    "RECORD_POLICIES", "Config", "EngineConfig", "FieldError", "OnlineConfig", "RecordConfig", "ScaleConfig",
+    "ServerConfig", "TrainerConfig", "check_budgets", "is_loopback",
 ]  # fmt: skip

@@ -4,6 +4,7 @@
     record   RecordConfig   prefill recording and the tiered activation store
     online   OnlineConfig   the online trainer; its ``trainer`` section (TrainerConfig) is the step it runs
     server   ServerConfig   the HTTP server (address, state, keys, limits)
+    scale    ScaleConfig    replicas on Ray behind one front
 
 A config file (YAML or TOML) has the same shape, keyed by field names in the fields' units (bytes, seconds); every
 field is also a flag (its annotation names it), and flags override the file.
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from alchemist.config.engine import EngineConfig
-from alchemist.config.fields import field_type, flag_of, sections
+from alchemist.config.fields import check, field_type, flag_of, sections
 from alchemist.config.record import RecordConfig
+from alchemist.config.scale import ScaleConfig
 from alchemist.config.server import ServerConfig
 from alchemist.config.training import FORMER_KEYS, RETIRED_KEYS, OnlineConfig
 
@@ -31,10 +33,19 @@ class Config:
     record: RecordConfig = field(default_factory=RecordConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
 
     def check(self) -> None:
         for section in dataclasses.fields(self):
             getattr(self, section.name).check()
+        # Replicas share one feedback log, which SQLite's (one process's) cannot be.
+        shared = (self.server.feedback_db or "").startswith(("postgresql://", "postgres://"))
+        check(self.scale, self.scale.replicas == 1 or shared, "replicas",
+              "above 1 needs a feedback log the replicas share: --feedback-db postgresql://...")  # fmt: skip
+        # Until their steps are one data-parallel step (issue 43), replicas that trained would diverge.
+        check(self.scale, self.scale.replicas == 1 or not self.online.enabled, "replicas",
+              "above 1 do not train yet (training in lockstep across replicas is not built): add --no-train; their "
+              "feedback is logged and waits in the shared log")  # fmt: skip
 
 
 # Settings that moved (old dotted path -> new): a config file may still use the old keys (parse.py warns).

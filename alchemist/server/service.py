@@ -105,6 +105,7 @@ class OpenAIServing:
         self.anchors = anchors  # the online trainer's: finished completions to stay close on
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.limits = KeyLimits(LimitConfig(), 0)  # the app sets the server's (alchemist.server.limits)
+        self.id_tag = ""  # after a response id's prefix: a replica's index (alchemist.scale.replica)
 
     @property
     def model_name(self) -> str:
@@ -264,7 +265,7 @@ class OpenAIServing:
             # A client's flag asks; its key's record quota grants (else it is served unrecorded: no error).
             record=req.alchemist.record and self.limits.grant_record(caller, len(prompt_ids)),
         )
-        request_id = p.random_id(prefix)
+        request_id = p.random_id(prefix + self.id_tag)
         stream = self.engine.generate(request_id, prompt_ids, params)
         return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=caller.name, recorded=params.record)
 

@@ -1,0 +1,282 @@
+"""The front: one HTTP server before the replicas, with the API of one (``alchemist serve --replicas N``).
+
+    replicas = ReplicaSet([Handle(i, actor) for i, actor in enumerate(actors)])
+    app = create_front(replicas, config.server)        # uvicorn serves it on the server's port
+
+It serves nothing itself but ``GET /v1/replicas`` (admin) and its own ``/metrics``; every other request passes
+through to a replica, as it came (keys included: each replica checks them as one server does), and its answer comes
+back as the replica gave it, streamed chunk by chunk. Where a request goes:
+
+- completions and chat completions: to the replica its conversation was first sent to (the prefix cache holds its
+  earlier turns there), unless that one has ``AFFINITY_SLACK`` more requests in flight than the least loaded, then
+  to the least loaded. The conversation is its first message (a completion's first ``AFFINITY_CHARS`` characters),
+  hashed by rendezvous over the replicas alive, so a replica's death moves only its own conversations.
+- feedback: to the replica that served the response (its index is in the response id, ``replica.replica_of``):
+  it holds the response and its record. When that replica is not ready, to another (counted as a miss), which
+  answers 404 for a response it never served: the feedback logged before, in the shared log, trains wherever.
+- everything else (models, the feedback log's reads, adapters, the web pages): the least loaded replica.
+
+A replica the front cannot reach (its process died, or Ray restarts it) is marked ``dead`` and gets no requests
+until ``info`` says it is ``ready`` again; a stream cut by its death ends with an error event in the OpenAI
+envelope, not a hang; a request that had not reached it goes to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from alchemist.config import ServerConfig
+from alchemist.scale.replica import ReplicaInfo, replica_of
+from alchemist.server.auth import Caller, KeyStore, admin, metrics_reader
+
+log = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 4  # requests in flight a conversation's replica may have over the least loaded one
+AFFINITY_CHARS = 512  # of a completion's prompt: what names its conversation
+WATCH_S = 0.5  # how often the front asks every replica how it is
+ROUTED = ("/v1/chat/completions", "/v1/completions")
+# Hop-by-hop headers (RFC 9110 section 7.6.1) and those httpx sets itself: never passed on.
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer", "proxy-authorization",
+               "proxy-authenticate", "host", "content-length"}  # fmt: skip
+
+
+@dataclass
+class Handle:
+    """One replica as the front sees it: its actor, what it last said, and the requests the front has in it."""
+
+    index: int
+    actor: object  # the Ray actor handle (alchemist.scale.replica.replica_actor)
+    info: ReplicaInfo | None = None
+    reachable: bool = False  # its last info() call answered
+    in_flight: int = 0
+    since_s: float = field(default_factory=time.monotonic)  # when its state last changed
+
+    @property
+    def state(self) -> str:
+        """``ready`` while it serves, ``starting`` while it loads, ``dead`` while Ray restarts it or it failed."""
+        if not self.reachable or self.info is None or self.info.state == "failed":
+            return "dead" if self.info is not None or time.monotonic() - self.since_s > 5.0 else "starting"
+        return self.info.state
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+class NoReplicaError(RuntimeError):
+    """No replica is ready to take a request (503)."""
+
+
+class ReplicaSet:
+    """The replicas behind the front, watched every ``WATCH_S``."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+        self.registry = CollectorRegistry()
+        self.routed = Counter("alchemist:front_requests", "requests passed to a replica, by why it was chosen",
+                              ["replica", "reason"], registry=self.registry)  # fmt: skip
+        self.feedback = Counter("alchemist:front_feedback", "feedback passed to the replica that served the "
+                                "response (hit) or, that one not ready, to another (miss)", ["affinity"],
+                                registry=self.registry)  # fmt: skip
+        self.cut = Counter("alchemist:front_streams_cut", "streams that ended with an error because their replica "
+                           "died", registry=self.registry)  # fmt: skip
+        self.states = Gauge("alchemist:front_replicas", "replicas by state", ["state"], registry=self.registry)
+
+    async def watch_forever(self) -> None:
+        while True:
+            await self.watch()
+            await asyncio.sleep(WATCH_S)
+
+    async def watch(self) -> None:
+        await asyncio.gather(*(self._ask(handle) for handle in self.handles))
+        for state in ("ready", "starting", "dead"):
+            self.states.labels(state).set(sum(h.state == state for h in self.handles))
+
+    async def _ask(self, handle: Handle) -> None:
+        before = handle.state
+        try:
+            info = await asyncio.wait_for(handle.actor.info.remote(), timeout=5.0)
+        except Exception:  # RayActorError while it is dead or restarting, a timeout
+            handle.reachable = False
+        else:
+            if handle.info is not None and info.pid != handle.info.pid:
+                log.warning("replica %d came back (pid %d, was %d)", handle.index, info.pid, handle.info.pid)
+            handle.info, handle.reachable = info, True
+        if handle.state != before:
+            handle.since_s = time.monotonic()
+            log.warning("replica %d: %s -> %s", handle.index, before, handle.state)
+
+    def mark_dead(self, handle: Handle) -> None:
+        """Requests to it fail: no more until ``info`` says it serves again."""
+        if handle.reachable:
+            handle.reachable = False
+            handle.since_s = time.monotonic()
+            log.warning("replica %d unreachable: marked dead", handle.index)
+
+    def ready(self, excluding: set[int] = frozenset()) -> list[Handle]:
+        return [h for h in self.handles if h.ready and h.index not in excluding]
+
+    def pick(self, affinity: str | None, excluding: set[int] = frozenset()) -> tuple[Handle, str]:
+        """The replica for a request of conversation ``affinity`` (None: any), and why it was chosen."""
+        ready = self.ready(excluding)
+        if not ready:
+            raise NoReplicaError("no replica is ready to serve (they are starting, or restarting after a failure)")
+        least = min(ready, key=lambda h: h.in_flight)
+        if affinity is None:
+            return least, "least_loaded"
+        owner = max(ready, key=lambda h: hashlib.sha256(f"{h.index}:{affinity}".encode()).digest())
+        if owner.in_flight <= least.in_flight + AFFINITY_SLACK:
+            return owner, "affinity"
+        return least, "least_loaded"
+
+    def for_feedback(self, response_id: str, excluding: set[int] = frozenset()) -> Handle:
+        index = replica_of(response_id)
+        holder = next((h for h in self.handles if h.index == index), None)
+        if holder is not None and holder.ready and holder.index not in excluding:
+            self.feedback.labels("hit").inc()
+            return holder
+        self.feedback.labels("miss").inc()
+        return self.pick(None, excluding)[0]
+
+
+def affinity_of(path: str, body: bytes) -> str | None:
+    """What names the conversation of a completion request: its first message, or its prompt's beginning."""
+    if path not in ROUTED:
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None  # a replica answers the 400
+    if not isinstance(payload, dict):
+        return None
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages:
+        return json.dumps(messages[0], sort_keys=True)
+    prompt = payload.get("prompt")
+    return prompt[:AFFINITY_CHARS] if isinstance(prompt, str) else None
+
+
+def response_id_of(path: str, body: bytes) -> str | None:
+    """The response a feedback request is about."""
+    if path != "/v1/feedback":
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    response_id = payload.get("response_id") if isinstance(payload, dict) else None
+    return response_id if isinstance(response_id, str) else None
+
+
+def error_body(message: str, kind: str = "service_unavailable", code: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+def create_front(replicas: ReplicaSet, server_config: ServerConfig) -> FastAPI:
+    """The front's app over ``replicas``; its lifespan watches them."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(replicas.watch_forever())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="alchemist front", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
+    app.state.server_config = server_config
+
+    @app.get("/v1/replicas")
+    async def list_replicas(caller: Caller = Depends(admin)) -> dict:
+        return {"object": "list", "data": [_describe(h) for h in replicas.handles]}
+
+    @app.get("/metrics")
+    async def metrics(caller: Caller = Depends(metrics_reader)) -> Response:
+        return Response(generate_latest(replicas.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def forward(request: Request, path: str) -> Response:
+        return await _forward(request, replicas, client)
+
+    return app
+
+
+def _describe(handle: Handle) -> dict:
+    info = handle.info
+    return {
+        "id": handle.index,
+        "state": handle.state,
+        "node": info.node if info else None,
+        "pid": info.pid if info else None,
+        "url": info.url if info else None,
+        "adapter_version": info.adapter_version if info else None,
+        "running": info.running if info else 0,
+        "waiting": info.waiting if info else 0,
+        "in_flight": handle.in_flight,
+        "records": info.records if info else 0,
+        "error": info.error if info else None,
+    }
+
+
+async def _forward(request: Request, replicas: ReplicaSet, client: httpx.AsyncClient) -> Response:
+    path = "/" + request.url.path.lstrip("/")
+    body = await request.body()
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+    affinity, response_id = affinity_of(path, body), response_id_of(path, body)
+    tried: set[int] = set()
+    while True:  # a replica that cannot be reached has not seen the request: the next one may take it
+        try:
+            if response_id is not None:
+                handle, reason = replicas.for_feedback(response_id, tried), "record"
+            else:
+                handle, reason = replicas.pick(affinity, tried)
+        except NoReplicaError as e:
+            return Response(error_body(str(e)), status_code=503, media_type="application/json")
+        assert handle.info is not None and handle.info.url is not None
+        url = handle.info.url + path + (f"?{request.url.query}" if request.url.query else "")
+        upstream = client.build_request(request.method, url, headers=headers, content=body)
+        handle.in_flight += 1
+        try:
+            response = await client.send(upstream, stream=True)
+        except httpx.TransportError:
+            handle.in_flight -= 1
+            replicas.mark_dead(handle)
+            tried.add(handle.index)
+            continue
+        replicas.routed.labels(str(handle.index), reason).inc()
+        return StreamingResponse(
+            _relay(response, handle, replicas),
+            status_code=response.status_code,
+            headers={k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS},
+        )
+
+
+async def _relay(response: httpx.Response, handle: Handle, replicas: ReplicaSet) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes; if the replica dies mid-stream, an error event (the stream's own format:
+    server-sent events) and the end."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.TransportError:
+        replicas.mark_dead(handle)
+        replicas.cut.inc()
+        message = f"replica {handle.index} stopped while answering; send the request again"
+        yield b"data: " + error_body(message, "internal_server_error", "replica_lost") + b"\n\n"
+    finally:
+        handle.in_flight -= 1
+        await response.aclose()
