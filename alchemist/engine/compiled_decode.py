@@ -1,26 +1,32 @@
-"""The decode step compiled with ``torch.compile``: each layer of an all-decode batch as one inductor graph.
+"""The engine's steps compiled with ``torch.compile``: each layer of a step that records nothing as one inductor graph.
 
-    decode = CompiledDecode.create(model, cache, config)      # None where it does not apply
-    hidden = decode.forward(input_ids, positions, slots, ops)  # (B,) each -> (B, d), keys/values written
+    compiled = CompiledDecode.create(model, cache, config)       # None where it does not apply
+    hidden = compiled.forward(input_ids, positions, slots, ops)  # a decode step: (B,) each -> (B, d)
+    hidden = compiled.forward_step(input_ids, positions, meta, ops)  # a step with prompt chunks: (T,) -> (T, d)
 
-A decode step runs 30 layers of small ops on B rows: besides the linears and attention, about ten elementwise ops
-per layer (RMSNorm in fp32 and back, RoPE, SiLU-mul, residual adds), each a kernel launch and a memory pass. Here
-one function holds a layer's decode math with everything passed in as tensors (hidden rows, RoPE cos/sin, slots,
-positions, the layer's weights and cache), so inductor fuses the glue into a few C++ loops between the opaque
-linears (``alchemist::packed_linear``, ``csrc/packed_linear.cpp``, over oneDNN-packed bf16 weights, or ``F.linear``
-in fp32) and our decode
-kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the cache in place).
+A step runs 30 layers of small ops: besides the linears and attention, about ten elementwise ops per layer (RMSNorm
+in fp32 and back, RoPE, SiLU-mul, residual adds), each a kernel launch and a memory pass. Here one function holds a
+layer's math with everything passed in as tensors (hidden rows, RoPE cos/sin, the layer's weights and cache), so
+inductor fuses the glue into a few C++ loops between the opaque calls: the linears (``alchemist::packed_linear``,
+``csrc/packed_linear.cpp``, over oneDNN-packed bf16 weights, or ``F.linear`` in fp32) and attention. A decode step's
+attention is our decode kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the
+cache in place); a step with prompt chunks (beside decodes, under load most steps are) calls the eager attention
+(``attention.attend``) through ``alchemist::step_attention``, a Python op the compiler keeps opaque, which reads the
+step's segments from the step in progress. Compiling only decode steps left the steps beside them eager, 1.3x
+slower (docs/benchmarks.md, "Compiled decode step"), and the step cost model learned the difference as prefill cost.
 
 Note: [One graph per layer, not per step] Every layer has the same shapes, so the layer function compiles once and
 serves all of them, in seconds; a whole step traced as one graph (30 layers unrolled) took about ten times longer
 per batch size to compile and gained little more at batch 32 (docs/benchmarks.md, "Compiled decode step"). The batch
 dimension is dynamic after the first two sizes (dynamo's automatic dynamic shapes): warm-up compiles batch 1 and
-batch 2, and every other batch size reuses the second graph, so no batch is padded to a bucket. Weights are graph
-inputs, not constants, so a newly merged adapter serves without recompiling. inductor's cache lives in
+batch 2, and every other batch size reuses the second graph, so no decode batch is padded to a bucket; a step with
+prompt chunks pads its rows to a multiple of 16, as eager linears do, and warm-up compiles 16 and 32 rows. Weights
+are graph inputs, not constants, so a newly merged adapter serves without recompiling. inductor's cache lives in
 ``$ALCHEMIST_CACHE/inductor``: a second start loads its C++ kernels instead of building them.
 
-It applies to forwards that add no separate adapter delta and record nothing (every decode step but those right
-after a swap whose merge is not complete), on a CPU where our decode kernel runs: ``EngineConfig.compile_decode``.
+It applies to forwards that add no separate adapter delta and record nothing (every step but those right after a swap
+whose merge is not complete, and those with a recorded prompt chunk), on a CPU where our decode kernel runs:
+``EngineConfig.compile_decode``.
 fp32 greedy tokens equal the eager path's (tests/engine/test_compiled_decode.py); in bf16 inductor keeps some
 intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels (its
 batch-1 graph and dynamic graph too: a bf16 greedy answer depends on the batches it decodes in, docs/benchmarks.md
@@ -32,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -41,8 +48,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from alchemist.engine.packed_ops import ROW_MULTIPLE
 from alchemist.model import cpu_kernels
-from alchemist.model.attention import KVCache
+from alchemist.model.attention import AttentionMetadata, KVCache, Segment, attend
 from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama, rms_norm
 from alchemist.model.rope import Rotation, apply_rotary
@@ -90,6 +98,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     return torch.ops.alchemist.packed_linear(x, weight, bias, out) if s.packed else F.linear(x, weight, bias)
 
 
+def layer_math(h: torch.Tensor, rot: Rotation, w: LayerWeights, s: LayerShape, attention) -> torch.Tensor:
+    """``Llama.layer_forward`` over tensors only, h (T, d) -> (T, d), with ``attention(q, k, v)`` (RoPE applied;
+    it writes the keys and values into the cache) as the one opaque call besides the linears."""
+    x = rms_norm(h, w.input_norm, s.eps)
+    qkv = _linear(x, w.qkv, w.qkv_bias, s.q_size + 2 * s.kv_size, s)
+    q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+    q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), rot)
+    k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), rot)
+    v = v.view(-1, s.num_kv_heads, s.head_dim)
+    h = h + _linear(attention(q, k, v).flatten(-2), w.o, None, s.hidden_size, s)
+    x = rms_norm(h, w.post_norm, s.eps)
+    gate, up = _linear(x, w.gate_up, None, 2 * s.intermediate_size, s).chunk(2, dim=-1)
+    return h + _linear(F.silu(gate) * up, w.down, None, s.hidden_size, s)
+
+
 def decode_layer(
     h: torch.Tensor,
     rot: Rotation,
@@ -100,27 +123,66 @@ def decode_layer(
     v_cache: torch.Tensor,
     s: LayerShape,
 ) -> torch.Tensor:
-    """``Llama.layer_forward`` for B decode rows, h (B, d) -> (B, d): the same math, written over tensors only."""
-    x = rms_norm(h, w.input_norm, s.eps)
-    qkv = _linear(x, w.qkv, w.qkv_bias, s.q_size + 2 * s.kv_size, s)
-    q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-    q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), rot)
-    k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), rot)
-    v = v.view(-1, s.num_kv_heads, s.head_dim)
-    attn = torch.ops.alchemist.decode_attention(q, k, v, k_cache, v_cache, slots, positions, s.head_dim**-0.5)
-    h = h + _linear(attn.flatten(-2), w.o, None, s.hidden_size, s)
-    x = rms_norm(h, w.post_norm, s.eps)
-    gate, up = _linear(x, w.gate_up, None, 2 * s.intermediate_size, s).chunk(2, dim=-1)
-    return h + _linear(F.silu(gate) * up, w.down, None, s.hidden_size, s)
+    """A layer for B decode rows, h (B, d) -> (B, d): attention by our decode kernel."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.alchemist.decode_attention(q, k, v, k_cache, v_cache, slots, positions, s.head_dim**-0.5)
+
+    return layer_math(h, rot, w, s, attention)
+
+
+def step_layer(
+    h: torch.Tensor,
+    rot: Rotation,
+    layer: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    s: LayerShape,
+) -> torch.Tensor:
+    """A layer for the rows of a step with prompt chunks (beside decodes or not), h (T, d) -> (T, d): attention by
+    ``step_attention`` over the step's segments."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.alchemist.step_attention(q, k, v, k_cache, v_cache, layer)
+
+    return layer_math(h, rot, w, s, attention)
+
+
+_step = threading.local()  # the step in progress (CompiledDecode.forward_step): its AttentionMetadata, as .meta
+
+
+@torch.library.custom_op("alchemist::step_attention", mutates_args=("k_cache", "v_cache"))
+def step_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    layer: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``attention.attend`` of layer ``layer`` (a 0-d tensor: an int would make a graph per layer) over the first
+    ``meta.num_tokens`` rows, those of the step in progress (``_step.meta``), writing their keys and values into
+    ``k_cache`` / ``v_cache``; the rows after them, padding, get zeros. Opaque to the compiler, as eager attention
+    is: its segments are Python data."""
+    meta = _step.meta
+    n = meta.num_tokens
+    out = q.new_zeros(q.shape)
+    out[:n] = attend(int(layer), q[:n], k[:n], v[:n], meta).out
+    return out
+
+
+@step_attention.register_fake
+def _(q, k, v, k_cache, v_cache, layer):
+    return torch.empty_like(q)
 
 
 @functools.cache
-def _compiled_layer(shape: LayerShape, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """``decode_layer`` compiled for one model's shape and dtype, shared by its engines. Each gets a code object of
-    its own: dynamo keeps its graphs per code object, under a limit of 8, and a process that builds engines of several
-    models (tests, a library user) would reach it; one model needs two (batch 1, and the dynamic batch)."""
-    code = decode_layer.__code__.replace()  # a new, equal code object
-    return torch.compile(types.FunctionType(code, decode_layer.__globals__, decode_layer.__name__), fullgraph=True)
+def _compiled_layer(
+    fn: Callable[..., torch.Tensor], shape: LayerShape, dtype: torch.dtype
+) -> Callable[..., torch.Tensor]:
+    """``fn`` (``decode_layer`` or ``step_layer``) compiled for one model's shape and dtype, shared by its engines.
+    Each gets a code object of its own: dynamo keeps its graphs per code object, under a limit of 8, and a process
+    that builds engines of several models (tests, a library user) would reach it; one model needs two of each (one
+    row, and the dynamic row count)."""
+    code = fn.__code__.replace()  # a new, equal code object
+    return torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__), fullgraph=True)
 
 
 def compiled_decode_supported(cache: KVCache) -> bool:
@@ -146,9 +208,12 @@ class CompiledDecode:
         self.shape = LayerShape(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps, packed
         )
-        self._layer = _compiled_layer(self.shape, model.dtype)
+        self._layer = _compiled_layer(decode_layer, self.shape, model.dtype)
+        self._step_layer = _compiled_layer(step_layer, self.shape, model.dtype)
+        self._layer_ids = [torch.tensor(i) for i in range(len(model.layers))]  # step_attention's layer argument
         self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
         self.num_steps = 0  # decode steps run compiled (tests, profiles)
+        self.num_prompt_steps = 0  # steps with prompt chunks run compiled
         self.warm_up_s = 0.0  # how long the warm-up (the compile) took
 
     @classmethod
@@ -201,14 +266,41 @@ class CompiledDecode:
         self.num_steps += 1
         return h
 
+    def forward_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ops
+    ) -> torch.Tensor:
+        """The T rows of a step with prompt chunks (``meta``'s segments; decodes too, or not) through every layer
+        -> final hidden (T, d). The rows are padded to a multiple of ``ROW_MULTIPLE`` for the linears, as eager's
+        are (oneDNN keeps a primitive per row count: packed_ops.py), and cut again."""
+        model, t = self.model, input_ids.shape[0]
+        pad = -t % ROW_MULTIPLE
+        if pad:
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+        h = F.embedding(input_ids, model.embed)
+        rot = model.rope(positions, h.dtype, meta.max_position)
+        _step.meta = meta
+        try:
+            for i, w in enumerate(self.weights(ops)):
+                h = self._step_layer(h, rot, self._layer_ids[i], w, self.cache.k[i], self.cache.v[i], self.shape)
+        finally:
+            _step.meta = None
+        self.num_prompt_steps += 1
+        return h[:t]
+
     @torch.inference_mode()
     def warm_up(self, ops) -> None:
-        """Compiles before serving: batch 1, then batch 2, whose recompile makes the batch dimension dynamic (every
-        later size reuses it). Writes position 0 of slots 0 and 1, which nothing holds yet."""
+        """Compiles before serving: decode batch 1, then batch 2, whose recompile makes the batch dimension dynamic
+        (every later size reuses it); a prompt step of 16 rows, then one of 32 (likewise). Writes positions 0 .. 31
+        of slot 0 and position 0 of slot 1, which nothing holds yet."""
         start = time.perf_counter()
         for batch in (1, 2):
             zeros = torch.zeros(batch, dtype=torch.long, device=self.model.device)
             slots = torch.arange(batch, device=zeros.device) % self.cache.num_slots
             self.forward(zeros, zeros, slots, 0, ops)
-        self.num_steps = 0
+        for rows in (1, 2):  # prompt steps of 16 and 32 padded rows (the second makes the row count dynamic)
+            length = 16 * rows
+            ids = torch.zeros(length, dtype=torch.long, device=self.model.device)
+            meta = AttentionMetadata([Segment(slot=0, start=0, length=length)], cache=self.cache)
+            self.forward_step(ids, torch.arange(length, device=ids.device), meta, ops)
+        self.num_steps = self.num_prompt_steps = 0
         self.warm_up_s = time.perf_counter() - start

@@ -134,9 +134,12 @@ class ModelRunner:
                 adapter = AnswerRows(self.adapter, rows)  # type: ignore[arg-type]
         elif answer is not None:
             adapter = RowScope(self.adapter, answer, len(ids))  # type: ignore[arg-type]
-        if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None and meta.all_decode:
-            slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
-            hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
+        if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None:  # records nothing
+            if meta.all_decode:
+                slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
+                hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
+            else:
+                hidden = self.compiled.forward_step(input_ids, pos, meta, ops)
         else:
             hidden = self.model(input_ids, pos, meta, ops, adapter)  # (T, d)
         if self.recorder is not None:

@@ -1,7 +1,8 @@
 """The compiled decode step (alchemist.engine.compiled_decode) against the eager forward it replaces.
 
 fp32 on the real model is the reference: the eight chat prompts of test_engine_real.py, prefilled in chunks next to
-each other's decodes, produce the same greedy tokens through the compiled layer as through the eager model. bf16 on
+each other's decodes, produce the same greedy tokens through the compiled layers (decode steps and steps with prompt
+chunks) as through the eager model. bf16 on
 the tiny model agrees to bf16 rounding, with an adapter merged, and a swap serves the new adapter without a
 recompile.
 """
@@ -42,8 +43,11 @@ def test_compiled_fp32_greedy_tokens_equal_eager(smollm2, chat_prompts):
     before = counters["stats"]["unique_graphs"]
     got = [o.output_token_ids for o in compiled.generate(prompts, PARAMS)]
     assert got == want
-    # every request decoded through it, at batch sizes 1-8, with no compile beyond the warm-up's
+    # every request decoded through it, at batch sizes 1-8, and prefilled through it, its chunks beside decodes, with
+    # no compile beyond the warm-up's
     assert compiled.runner.compiled.num_steps >= PARAMS.max_tokens - 1  # the longest request's decodes at least
+    longest = max(-(-len(p) // CONFIG["max_num_batched_tokens"]) for p in prompts)  # its chunks, a step each
+    assert compiled.runner.compiled.num_prompt_steps >= longest
     assert counters["stats"]["unique_graphs"] == before
 
 
