@@ -12,8 +12,8 @@ inductor fuses the glue into a few C++ loops between the opaque calls: the linea
 attention is our decode kernel (``alchemist::decode_attention``, which writes the rows' keys and values into the
 cache in place); a step with prompt chunks (beside decodes, under load most steps are) calls the eager attention
 (``attention.attend``) through ``alchemist::step_attention``, a Python op the compiler keeps opaque, which reads the
-step's segments from the step in progress. Compiling only decode steps left the steps beside them eager, 1.3x
-slower (docs/benchmarks.md, "Compiled decode step"), and the step cost model learned the difference as prefill cost.
+step's segments from the step in progress. Compiling only decode steps left the steps beside them eager, about 1.2x
+slower, and the step cost model learned the difference as prefill cost (docs/benchmarks.md, "Serving against vLLM").
 
 Note: [One graph per layer, not per step] Every layer has the same shapes, so the layer function compiles once and
 serves all of them, in seconds; a whole step traced as one graph (30 layers unrolled) took about ten times longer
