@@ -22,7 +22,7 @@ def batch_metrics(
 ) -> dict:
     """The batch's steps (each: its feedback samples and its result) summed up for its checkpoint; the last ones go
     to ``stats`` too. ``job_s``: the batch's own time so far, its slices (serving steps ran in between)."""
-    losses = [sum(loss for loss, _ in step.passes[: len(samples)]) / len(samples) for samples, step in steps]
+    losses = [_mean([loss for loss, _ in step.passes[: len(samples)]]) for samples, step in steps]  # none: 0 (lockstep)
     first, last = steps[0], steps[-1]
     rehearsal = [[loss for loss, _ in step.passes[len(samples) : len(samples) + len(rehearsed)]]
                  for samples, step in (first, last)]  # fmt: skip

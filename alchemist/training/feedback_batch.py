@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from alchemist.config.training import ObjectivesConfig
+from alchemist.training.lockstep import Lockstep
 from alchemist.training.logp_passes import LogpPass, sequence_logps_slices
 from alchemist.training.objectives import PreferenceTerm, kto_kl, mismatched
 from alchemist.training.trainer import Sample, Trainer
@@ -69,28 +70,40 @@ class FeedbackBatch:
                    for i in self.dpo for r in (i.response_ids, i.rejected_ids or [])]  # fmt: skip
         self._ref = yield from sequence_logps_slices(trainer, passes + self.kl_pairs, "reference", self.group_size)
 
-    def samples_slices(self, trainer: Trainer) -> Generator[None, None, tuple[list[Sample], list[float]]]:
+    def samples_slices(
+        self, trainer: Trainer, lockstep: Lockstep | None = None
+    ) -> Generator[None, None, tuple[list[Sample], list[float]]]:
         """The step's samples (SFT, then KTO, then DPO pairs: chosen, rejected) and their loss scales, KTO's z0
-        estimated under the trainer's adapter as it is now."""
+        estimated under the trainer's adapter as it is now. With ``lockstep``, this is one replica's part of a
+        step over every replica's batch: the means are over all of them (their counts, and KTO's z0 from every
+        replica's mismatched pairs)."""
         if self._ref is None:
             yield from self.references_slices(trainer)
         assert self._ref is not None
         w, n_kto = self.weights, len(self.kto)
         n_dpo = 2 * len(self.dpo)
         ref_kto, ref_dpo, ref_kl = self._ref[:n_kto], self._ref[n_kto : n_kto + n_dpo], self._ref[n_kto + n_dpo :]
+        counts = [len(self.sft), n_kto, len(self.dpo), sum(item.desirable for item in self.kto)]
+        if lockstep is not None:
+            counts = [int(n) for n in (yield from lockstep.sum_slices(counts))]
+        total_sft, total_kto, total_dpo, total_desirable = counts
         samples = [Sample(i.prompt_ids, i.response_ids, i.record_id) for i in self.sft]
-        scales = [w.sft_weight / max(len(self.sft), 1)] * len(self.sft)
-        if self.kto:
+        scales = [w.sft_weight / max(total_sft, 1)] * len(self.sft)
+        if total_kto:
             policy_kl = yield from sequence_logps_slices(trainer, self.kl_pairs, "kl", self.group_size)
-            z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl))
-            sides = kto_side_weights(self.kto, w)
+            if lockstep is None:
+                z0 = kto_kl(torch.tensor(policy_kl), torch.tensor(ref_kl)).item()
+            else:  # the mean over every replica's pairs, clamped as kto_kl does
+                gap, pairs = yield from lockstep.sum_slices([sum(policy_kl) - sum(ref_kl), float(len(policy_kl))])
+                z0 = max(gap / pairs, 0.0)
+            sides = kto_side_weights(total_desirable, total_kto, w)
             for item, ref in zip(self.kto, ref_kto, strict=True):
-                weight = w.kto_weight * sides[item.desirable] / n_kto
-                term = PreferenceTerm("kto", ref, weight, w.kto_beta, item.desirable, kl=z0.item())
+                weight = w.kto_weight * sides[item.desirable] / total_kto
+                term = PreferenceTerm("kto", ref, weight, w.kto_beta, item.desirable, kl=z0)
                 samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=term))
         for pair, item in enumerate(self.dpo):
             assert item.rejected_ids is not None
-            weight = w.dpo_weight / len(self.dpo)
+            weight = w.dpo_weight / total_dpo
             chosen = PreferenceTerm("dpo", ref_dpo[2 * pair], weight, w.dpo_beta, True, pair=pair)
             rejected = PreferenceTerm("dpo", ref_dpo[2 * pair + 1], weight, w.dpo_beta, False, pair=pair)
             samples.append(Sample(item.prompt_ids, item.response_ids, item.record_id, term=chosen))
@@ -99,15 +112,15 @@ class FeedbackBatch:
         return samples, scales
 
 
-def kto_side_weights(kto: list[Item], w: ObjectivesConfig) -> dict[bool, float]:
+def kto_side_weights(n_desirable: int, n_kto: int, w: ObjectivesConfig) -> dict[bool, float]:
     """The weight of a desirable (True) and of an undesirable (False) KTO sample: ``kto_desirable_weight`` and
     ``kto_undesirable_weight``, balanced (``kto_balance``) so that each side of the batch weighs half, whatever
     its count: the KTO paper (Ethayarajh et al. 2024, section 4.3) recommends w_d n_d / (w_u n_u) in [1, 4/3];
     thumbs-down outnumbering thumbs-up pushed whole answers' probabilities down, which the evaluation gate then
-    blocked (docs/benchmarks.md, "Thumbs and pairs")."""
+    blocked (docs/benchmarks.md, "Thumbs and pairs"). ``n_desirable`` of the batch's ``n_kto`` KTO samples are
+    thumbs-up."""
     sides = {True: w.kto_desirable_weight, False: w.kto_undesirable_weight}
-    n_desirable = sum(item.desirable for item in kto)
-    if w.kto_balance and 0 < n_desirable < len(kto):
-        sides[True] *= len(kto) / (2 * n_desirable)
-        sides[False] *= len(kto) / (2 * (len(kto) - n_desirable))
+    if w.kto_balance and 0 < n_desirable < n_kto:
+        sides[True] *= n_kto / (2 * n_desirable)
+        sides[False] *= n_kto / (2 * (n_kto - n_desirable))
     return sides

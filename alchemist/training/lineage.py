@@ -198,10 +198,15 @@ class Lineage:
         yield
 
     def commit_slices(
-        self, batch: list[FeedbackEntry], metrics: dict, evaluation: Evaluation | None, train_s: float
-    ) -> Generator[None, None, None]:
+        self, batch: list[FeedbackEntry], metrics: dict, evaluation: Evaluation | None, train_s: float,
+        promoted: bool | None = None,
+    ) -> Generator[None, None, None]:  # fmt: skip
         """Checkpoints the batch's version (``train_s``: its slices' seconds, the evaluation's included), then
-        tells the log: its entries trained (promoted) or held (not)."""
+        tells the log: its entries trained (promoted) or held (not). ``promoted`` None: the evaluation's verdict
+        (promoted without one); a replica in lockstep gives the leader's."""
+        if promoted is None:
+            promoted = evaluation is None or evaluation.promoted
+        reason = evaluation.reason if evaluation is not None else "the leader replica's evaluation gate"
         seqs = [entry.seq for entry in batch]
         metrics = {**metrics, "seqs": seqs, "train_s": train_s}
         if self.undone:
@@ -212,14 +217,13 @@ class Lineage:
         position = self.log.settled_through(excluding=seqs)
         yield from self.checkpoints.save_slices(self.version, self.adapter, state, position, metrics)
         self.position = position
-        if evaluation is None or evaluation.promoted:
+        if promoted:
             self.log.mark_trained(seqs, self.version)  # after the commit: restore() redoes it if lost
         else:  # kept, a rollback target, but not served nor trained on: its entries are held for an admin
-            logger.warning("adapter version %d not promoted: %s", self.version, evaluation.reason)
+            logger.warning("adapter version %d not promoted: %s", self.version, reason)
             self.stats.unpromoted += 1
             for entry in batch:
-                reason = unpromoted(self.version, evaluation.reason)
-                self.stats.quarantined += self.quarantine.hold(entry, reason, metrics["loss"])
+                self.stats.quarantined += self.quarantine.hold(entry, unpromoted(self.version, reason), metrics["loss"])
             self.load_serving()  # the trainer goes on from the serving version (its number stays: numbers grow)
         self.queue.changed()
 

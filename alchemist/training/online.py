@@ -64,6 +64,7 @@ from alchemist.training.evaluation import Evaluation, EvaluationGate, Pair
 from alchemist.training.feedback_batch import FeedbackBatch, Item
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.lineage import Lineage, adapter_config
+from alchemist.training.lockstep import Lockstep
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.rank_split import RankSplit
@@ -91,10 +92,13 @@ class OnlineTrainer:
         quarantine: Quarantine,
         guard: PoisoningGuard,
         gate: EvaluationGate | None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         """The loop over its parts (``from_config`` wires them as the server does): ``trainer`` steps the adapter,
         which ``lineage`` restores, publishes, checkpoints and rolls back; ``queue`` reads ``log`` in training order;
-        ``gate`` None: no evaluation gate. Nothing is restored here (``from_config`` does it)."""
+        ``gate`` None: no evaluation gate; ``lockstep``: one replica of several, each training on its own feedback
+        in data-parallel steps with the others (``alchemist.training.lockstep``; its trainer's data_parallel is
+        lockstep's). Nothing is restored here (``from_config`` does it)."""
         self.config, self.tokenizer, self.log = config, tokenizer, log
         self.trainer, self.model, self.adapter = trainer, trainer.model, trainer.adapter
         self.queue, self.lineage, self.batch_anchors, self.rehearsal = queue, lineage, anchors, rehearsal
@@ -105,6 +109,7 @@ class OnlineTrainer:
         self._job: Generator[None, None, None] | None = None
         self._job_s = 0.0  # time spent in the slices of the batch in progress
         self._steps_of: dict[int, int] = {}  # steps each correction carried over from a batch has had (by seq)
+        self.lockstep = lockstep
 
     @classmethod
     def from_config(
@@ -116,13 +121,15 @@ class OnlineTrainer:
         log: FeedbackLog,
         checkpoints: AdapterCheckpoints,
         config: OnlineConfig,
+        lockstep: Lockstep | None = None,
     ) -> OnlineTrainer:
         """Trains an adapter of ``model`` (the one serving, shared: never changed here) from ``log``, replays
         records from ``store`` (None: none) and publishes the versions it makes to ``publisher``; continues from
-        the latest of ``checkpoints``. Each part is built from its section of ``config``."""
+        the latest of ``checkpoints``; with ``lockstep``, in lockstep with the other replicas. Each part is built
+        from its section of ``config``."""
         c = config
         adapter = LoraAdapter(model.config, adapter_config(c.adapter), device=model.device, seed=c.adapter.seed)
-        trainer = Trainer(model, adapter, store, c.trainer)
+        trainer = Trainer(model, adapter, store, c.trainer, lockstep.data_parallel if lockstep else None)
         if c.adapter.preference_r:  # its last ranks only thumbs and pairs train (alchemist.training.rank_split)
             trainer.split = RankSplit(adapter, c.adapter.preference_r, cut=c.adapter.route_corrections)
         pool = AnchorPool(c.anchors.pool_size)  # the server offers finished completions
@@ -143,7 +150,7 @@ class OnlineTrainer:
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
         online = cls(c, tokenizer, log, trainer, queue, lineage, anchors, Rehearsal(log, c.rehearsal),
                      Stopping(c.stopping, log, trainer, c.trainer.group_size), quarantine,
-                     PoisoningGuard(c.guard.spike_factor, c.guard.warmup), gate)  # fmt: skip
+                     PoisoningGuard(c.guard.spike_factor, c.guard.warmup), gate, lockstep)  # fmt: skip
         lineage.restore()
         return online
 
@@ -174,15 +181,29 @@ class OnlineTrainer:
         A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
         its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
         work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
+        if self.lockstep is not None:  # every replica would have to roll back at the same point of its loop
+            raise ValueError("rollback is not available while replicas train in lockstep (not built yet)")
         return self.lineage.rollback(version)
 
     # --- the step loop's interface -------------------------------------------------------------------------------
+
+    @property
+    def in_batch(self) -> bool:
+        """A batch (or a lockstep round) is in progress: its slices go on until it ends."""
+        return self._job is not None
 
     def has_work(self) -> bool:
         if self._job is not None or self.lineage.rollbacks_asked:
             return True
         if not self.config.enabled:
             return False
+        if self.lockstep is not None:  # a round with the others is due, whether this replica has a batch or not
+            return self.lockstep.round_due()
+        return self._batch_ready()
+
+    def _batch_ready(self) -> bool:
+        """Whether this trainer's next batch is ready: ``batch_size`` entries queued, or the oldest waited
+        ``max_wait_s``."""
         head = self.queue.head()
         if not head:
             return False
@@ -198,7 +219,10 @@ class OnlineTrainer:
             return time.perf_counter() - t0  # serving's time share counts it; training's seconds do not
         if not self.has_work():
             return 0.0
-        if self._job is None:
+        if self._job is None and self.lockstep is not None:
+            self.lockstep.start_round()
+            self._job = self._round_slices()
+        elif self._job is None:
             self.lineage.watch_regressions()
             self._job = self._train_slices(self.queue.head())
         try:
@@ -217,17 +241,37 @@ class OnlineTrainer:
 
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
+    def _round_slices(self) -> Generator[None, None, None]:
+        """A round of the replicas in lockstep: a batch if any of them has one ready, each with its own (maybe
+        none). (Regressions are not watched in lockstep: a rollback is not built there yet.)"""
+        assert self.lockstep is not None
+        ready = self._batch_ready()
+        if (yield from self.lockstep.any_slices(ready)):
+            yield from self._train_slices(self.queue.head() if ready else [])
+
+    def _agree_slices(self, flag: bool, every: bool) -> Generator[None, None, bool]:
+        """``flag`` as the replicas decide it: all of them (``every``) or any; this trainer's alone without
+        lockstep."""
+        if self.lockstep is None:
+            return flag
+        return (yield from (self.lockstep.all_slices(flag) if every else self.lockstep.any_slices(flag)))
+
     def _train_slices(self, batch: list[tuple[FeedbackEntry, Item]]) -> Generator[None, None, None]:
-        """One mini-batch, in slices: the story of this module's docstring."""
-        c = self.config
+        """One mini-batch, in slices: the story of this module's docstring (in lockstep, this replica's part of the
+        replicas' batch: ``alchemist.training.lockstep`` says what they decide together)."""
+        c, lockstep = self.config, self.lockstep
+        leader = lockstep is None or lockstep.leader
         # A record is keyed by its response id; any policy may have made one (not only a request's flag): look.
         feedback = FeedbackBatch([it for _, it in batch], c.objectives, c.trainer.group_size)
         anchors = yield from self._prepare_slices(feedback)
         self._job_s = 0.0
-        facts, taught_before = yield from self._taught_slices()
-        rehearsed = self.rehearsal.samples(self.lineage.undone)
+        facts, taught_before = (yield from self._taught_slices()) if leader else ([], [])
+        rehearsed = self.rehearsal.samples(self.lineage.undone) if leader else []  # the same set on every replica
+        num_sft, num_rehearsed = len(feedback.sft), len(rehearsed)
+        if lockstep is not None:
+            num_sft, num_rehearsed = (yield from lockstep.sum_slices([num_sft, num_rehearsed]))
         # A rehearsed correction weighs what one of the batch's own does; the anchors share anchors.weight.
-        rehearsed_scales = [c.objectives.sft_weight / max(len(feedback.sft), len(rehearsed), 1)] * len(rehearsed)
+        rehearsed_scales = [c.objectives.sft_weight / max(num_sft, num_rehearsed, 1)] * len(rehearsed)
         entries = [entry for entry, _ in batch]
         # what an earlier batch carried and this one does not hold (settled since, or left for a later batch) counts
         # from zero again: the counts stay as few as a batch's entries
@@ -235,11 +279,14 @@ class OnlineTrainer:
         steps: list[tuple[list[Sample], StepResult]] = []
         yielded = False  # the steps ended early for corrections waiting behind the batch
         for epoch in range(c.stopping.epochs):
-            samples, scales = yield from feedback.samples_slices(self.trainer)  # z0 under this adapter
+            samples, scales = yield from feedback.samples_slices(self.trainer, lockstep)  # z0 under this adapter
             screen = partial(self._screen, entries, feedback, len(samples)) if epoch == 0 else None
             step_anchors = in_turn(anchors, epoch, c.anchors.turn)
+            num_anchors = len(step_anchors)
+            if lockstep is not None:
+                (num_anchors,) = yield from lockstep.sum_slices([num_anchors])
             extra = rehearsed + step_anchors
-            extra_scales = rehearsed_scales + [c.anchors.weight / max(len(step_anchors), 1)] * len(step_anchors)
+            extra_scales = rehearsed_scales + [c.anchors.weight / max(num_anchors, 1)] * len(step_anchors)
             # each sample's record or a recompute -> loss -> backward -> update
             step = yield from self.trainer.step_slices(samples + extra, scales + extra_scales, screen)
             if not step.updated:
@@ -249,24 +296,28 @@ class OnlineTrainer:
                 self._steps_of[entry.seq] += 1
             if epoch + 1 == c.stopping.epochs:
                 break
-            if self.stopping.reached_target(samples, step.passes) and (
+            learned = self.stopping.reached_target(samples, step.passes) and (
                 yield from self.stopping.learned_slices(samples)
-            ):
+            )
+            if (yield from self._agree_slices(learned, every=True)):
                 break
-            if self.stopping.yields([entry.seq for entry in entries]):
+            if (yield from self._agree_slices(self.stopping.yields([entry.seq for entry in entries]), every=False)):
                 yielded = True
                 break
         carried = (yield from self._carried_slices(feedback, *steps[-1])) if yielded else set()
         done = [entry for entry in entries if entry.seq not in carried]
         self.stats.carried += len(carried)
-        if not done:
+        if not (yield from self._agree_slices(bool(done), every=False)):
             return  # every correction goes on in the next batch, beside those waiting, from this adapter
         metrics = {**batch_metrics(feedback, rehearsed, anchors, steps, self.stats, self._job_s), "yielded": yielded,
                    "carried": sorted(carried)}  # fmt: skip
-        evaluation = yield from self._evaluate_slices(facts, taught_before)
-        if evaluation is None or evaluation.promoted:
+        evaluation = (yield from self._evaluate_slices(facts, taught_before)) if leader else None
+        promoted = evaluation is None or evaluation.promoted
+        if lockstep is not None and self.gate is not None:  # the leader's verdict
+            promoted = bool((yield from lockstep.from_leader_slices([float(promoted)]))[0])
+        if promoted:
             yield from self.lineage.publish_slices(done)
-        yield from self.lineage.commit_slices(done, metrics, evaluation, self._job_s)
+        yield from self.lineage.commit_slices(done, metrics, evaluation, self._job_s, promoted)
 
     def _carried_slices(self, feedback: FeedbackBatch, samples: list[Sample], step: StepResult) -> Generator[
             None, None, set[int]]:  # fmt: skip

@@ -1,0 +1,109 @@
+"""The online loop of two replicas in lockstep (alchemist.training.lockstep) against one process's: each replica a
+spawned process with its own engine (a tiny random model, fp32, recording every prompt), its own feedback log holding
+its share of the corrections and its own checkpoints, in one gloo group; the single process has every correction in
+one log. Their batches are one batch: the same steps, versions and adapter, every entry trained once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from alchemist.config import EngineConfig, RecordConfig
+from alchemist.engine import LLMEngine, SamplingParams
+from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
+from alchemist.model.loader import build_model
+from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.data_parallel import DataParallel
+from alchemist.training.lockstep import Lockstep
+from alchemist.training.online import OnlineTrainer
+from alchemist.training.slices import run_to_end as run_slices
+from tests.engine.helpers import char_tokenizer, random_prompts, run_to_end
+from tests.training.test_online import tiny_loop_config
+
+CONFIG = {"queue": {"batch_size": 8}, "stopping": {"epochs": 3}}  # one batch of all four; three steps
+SHARES = [1, 3]  # the corrections on each replica (its log)
+
+
+def corrections() -> list[tuple[list[int], list[int]]]:
+    prompts = random_prompts([20, 23, 26, 29], seed=5)
+    return [(prompt, [(7 * i + j) % 256 for j in range(6)]) for i, prompt in enumerate(prompts)]
+
+
+def train(tmp: Path, model_dir: Path, pairs, first: int, lockstep: Lockstep | None) -> dict:
+    """Serves ``pairs``' prompts (recorded), logs a correction of each, and trains until none is queued: in rounds
+    with the other replicas (``lockstep``) or alone. Returns what the trainer ended with."""
+    model = build_model(model_dir, torch.float32)
+    config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+    engine = LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+    log = SQLiteFeedbackLog(tmp / "feedback.sqlite")
+    for i, (prompt, response) in enumerate(pairs, start=first):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        out = run_to_end(engine)[f"r{i}"][-1]
+        log.append(response_id=f"r{i}", kind="sft", correction="x", prompt_token_ids=prompt,
+                   response_token_ids=response, output_token_ids=out.output_token_ids, adapter_version=0,
+                   recorded=True)  # fmt: skip
+    checkpoints = AdapterCheckpoints(tmp / "adapters", keep=10)
+    trainer = OnlineTrainer.from_config(model, engine.tokenizer, engine, engine.store, log, checkpoints,
+                                        tiny_loop_config(**CONFIG), lockstep)  # fmt: skip
+    rounds = 0
+    while True:  # a round (or a batch alone) to its end, until no replica has anything queued
+        trainer.run_slice()
+        while trainer.in_batch:
+            trainer.run_slice()
+        rounds += 1
+        idle = not log.queued_seqs()
+        if lockstep is None and idle or lockstep is not None and run_slices(lockstep.all_slices(idle)):
+            break
+        assert rounds < 20
+    return {
+        "adapter": {name: p.detach().clone() for name, p in trainer.adapter.named_parameters()},
+        "version": trainer.version,
+        "served": engine.adapter_version,
+        "states": [(e.state, e.trained_version) for e in log.read()],
+        "checkpoints": [v.version for v in checkpoints.versions()],
+        "replayed": trainer.stats.replayed,
+        "allreduce_s": trainer.stats.allreduce_s,
+    }
+
+
+def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two replicas on a shared 2-core machine
+    data_parallel = DataParallel.join(rendezvous, rank, world_size, torch.device("cpu"), timeout_s=60)
+    first = sum(SHARES[:rank])
+    pairs = corrections()[first : first + SHARES[rank]]
+    tmp = Path(out_dir) / f"replica{rank}"
+    tmp.mkdir()
+    seen = train(tmp, model_dir, pairs, first, Lockstep(data_parallel, round_s=0.0))
+    torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_replicas_in_lockstep_train_what_one_process_trains(tmp_path, tiny_dirs):
+    model_dir = tiny_dirs["llama-gqa-untied"]
+    alone_dir = tmp_path / "alone"
+    alone_dir.mkdir()
+    alone = train(alone_dir, model_dir, corrections(), 0, None)
+    args = (len(SHARES), f"file://{tmp_path / 'rendezvous'}", Path(model_dir), str(tmp_path))
+    context = mp.start_processes(_replica, args, nprocs=len(SHARES), join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=1.0):
+        assert time.monotonic() < deadline, "replicas still running"
+    replicas = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(len(SHARES))]
+    # One batch of three steps, published as one version, on every replica and in the single process alike.
+    assert alone["version"] == alone["served"] == 3 and alone["checkpoints"] == [3]
+    assert alone["states"] == [("trained", 3)] * 4
+    for rank, seen in enumerate(replicas):
+        assert (seen["version"], seen["served"], seen["checkpoints"]) == (3, 3, [3]), rank
+        assert seen["states"] == [("trained", 3)] * SHARES[rank]  # its own entries, once each
+        assert seen["replayed"] > 0 and seen["allreduce_s"] > 0
+    # The same adapter: the replicas' bitwise (one all-reduced update), one process's to float rounding.
+    for name, want in alone["adapter"].items():
+        assert torch.equal(replicas[0]["adapter"][name], replicas[1]["adapter"][name]), name
+        # AdamW's first steps move each value by about lr whatever its gradient's size, so a gradient summed in
+        # another order (1e-7 relative: tests/training/test_data_parallel.py) moves a near-zero one's value by up
+        # to a few 1e-6: within a thousandth of the 3 x lr (3e-2) the values moved.
+        torch.testing.assert_close(replicas[0]["adapter"][name], want, rtol=0, atol=3e-5, msg=name)
+    assert alone["replayed"] == replicas[0]["replayed"] + replicas[1]["replayed"]
