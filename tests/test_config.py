@@ -80,8 +80,8 @@ def _get(config: Config, path: str):
     return config
 
 
-# Settings that other settings must go with (Config.check): replicas share a PostgreSQL log and do not train yet.
-COMPANIONS = {"scale.replicas": ["--feedback-db", "postgresql://db.example/alchemist", "--no-train"]}
+# Settings that other settings must go with (Config.check): replicas share a PostgreSQL log.
+COMPANIONS = {"scale.replicas": ["--feedback-db", "postgresql://db.example/alchemist"]}
 
 
 def _nested(path: str, value) -> dict:
@@ -218,7 +218,6 @@ BAD_FLAGS = [
     (["--replicas", "0"], "--replicas must be a positive integer"),
     (["--ray-address", " "], "--ray-address must not be empty"),
     (["--replicas", "2"], "--replicas above 1 needs a feedback log the replicas share"),
-    (["--replicas", "2", "--feedback-db", "postgresql://db.example/a"], "--replicas above 1 do not train yet"),
 ]
 # Checked by the parser's types before any check runs (choices, numbers, bools): its error names the flag too.
 BAD_TYPES = [

@@ -42,10 +42,6 @@ class Config:
         shared = (self.server.feedback_db or "").startswith(("postgresql://", "postgres://"))
         check(self.scale, self.scale.replicas == 1 or shared, "replicas",
               "above 1 needs a feedback log the replicas share: --feedback-db postgresql://...")  # fmt: skip
-        # Until their steps are one data-parallel step (issue 43), replicas that trained would diverge.
-        check(self.scale, self.scale.replicas == 1 or not self.online.enabled, "replicas",
-              "above 1 do not train yet (training in lockstep across replicas is not built): add --no-train; their "
-              "feedback is logged and waits in the shared log")  # fmt: skip
 
 
 # Settings that moved (old dotted path -> new): a config file may still use the old keys (parse.py warns).

@@ -25,13 +25,15 @@ from alchemist.runtime.system import System
 from alchemist.runtime.time_share import TimeShare
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.lineage import as_trained
+from alchemist.training.lockstep import Lockstep
 from alchemist.training.online import OnlineTrainer
 
 
-def build(config: Config, own_step_thread: bool = True) -> System:
+def build(config: Config, own_step_thread: bool = True, lockstep: Lockstep | None = None) -> System:
     """Loads the model of ``config.engine`` and builds the system around a fresh engine, recording per
     ``config.record`` into a store the trainer replays from. With ``own_step_thread`` False the caller runs
-    ``system.async_engine.run_steps()`` (``alchemist serve`` does, in the main thread: the Note in async_engine)."""
+    ``system.async_engine.run_steps()`` (``alchemist serve`` does, in the main thread: the Note in async_engine);
+    ``lockstep``: a replica that trains in lockstep with others (``alchemist.scale.replica``)."""
     loaded = load_model(config.engine.model, dtype=config.engine.dtype, device=config.engine.device)
     if config.record.disk_dir is None:  # the disk tier's files live with the server's other state
         disk_dir = str(Path(config.server.data_dir) / "activations")
@@ -39,7 +41,7 @@ def build(config: Config, own_step_thread: bool = True) -> System:
     store = ActivationStore.from_config(config.record)  # the engine records into it, the trainer replays from it
     engine = LLMEngine(loaded.model, loaded.tokenizer, config.engine, config.record, store)
     names = served_model_names(config.server, loaded.source, config.engine.model)
-    return build_around(engine, config, names, store, own_step_thread)
+    return build_around(engine, config, names, store, own_step_thread, lockstep)
 
 
 def build_around(
@@ -48,6 +50,7 @@ def build_around(
     names: list[str],
     store: ActivationStore | None = None,
     own_step_thread: bool = True,
+    lockstep: Lockstep | None = None,
 ) -> System:
     """The system around ``engine`` (made with its own record settings; ``config.engine`` and ``config.record`` are
     not read here), with the online trainer of ``config.online`` stepping beside it: it replays from ``store`` (the
@@ -63,7 +66,7 @@ def build_around(
     trainer = time_share = None
     if online.enabled:
         trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
-                                            online)  # resumes from its checkpoint  # fmt: skip
+                                            online, lockstep)  # resumes from its checkpoint  # fmt: skip
         time_share = TimeShare(trainer, objective, engine.waiting_since)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)

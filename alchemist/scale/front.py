@@ -229,6 +229,7 @@ def _describe(handle: Handle) -> dict:
         "waiting": info.waiting if info else 0,
         "in_flight": handle.in_flight,
         "records": info.records if info else 0,
+        "training": info.training if info else None,
         "error": info.error if info else None,
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 
 from alchemist.config import Config
@@ -18,6 +19,12 @@ from alchemist.scale.front import Handle, ReplicaSet, create_front
 from alchemist.scale.replica import replica_actor
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def replica_cpus(config: Config) -> int:
@@ -47,7 +54,8 @@ def serve_replicas(config: Config) -> None:
 
     start_ray(config)
     cpus = replica_cpus(config)
-    actors = [replica_actor(config, index, cpus) for index in range(config.scale.replicas)]
+    rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"  # the replicas' process group
+    actors = [replica_actor(config, index, cpus, rendezvous) for index in range(config.scale.replicas)]
     replicas = ReplicaSet([Handle(index, actor) for index, actor in enumerate(actors)])
     app = create_front(replicas, config.server)
     server = config.server

@@ -189,11 +189,16 @@ class Lineage:
 
     # --- a batch's version -----------------------------------------------------------------------------------------
 
-    def publish_slices(self, batch: list[FeedbackEntry]) -> Generator[None, None, None]:
+    def publish_slices(
+        self, batch: list[FeedbackEntry], taught: list[list[int]] | None = None
+    ) -> Generator[None, None, None]:
         """The batch's version serves: its corrections are taught now (the requests like them get the corrections'
-        ranks), merged into the publisher a layer per slice."""
+        ranks; ``taught``: their prompts, where the batch holds others' too, in lockstep), merged into the publisher
+        a layer per slice."""
         if self.adapter.cut:
-            self.adapter.taught = [*self.adapter.taught, *(e.prompt_token_ids for e in batch if e.correction)]
+            if taught is None:
+                taught = [e.prompt_token_ids for e in batch if e.correction]
+            self.adapter.taught = [*self.adapter.taught, *taught]
         yield from self.publisher.set_adapter_slices(self.adapter, self.version)
         yield
 

@@ -12,7 +12,9 @@ what one replica sees is taken here from all of them, with one small all-reduce 
 - each kind of sample's count, for the loss scales (a correction weighs what it weighs in one process's batch of the
   union), and KTO's reference point from every replica's mismatched pairs;
 - the steps end when every replica's corrections are learned, or when any replica's backlog says yield;
-- a version is published if any replica settles entries with it (the others publish the same adapter);
+- a version is published if any replica settles entries with it (the others publish the same adapter), and it
+  serves every replica's corrections to the requests like their prompts (alchemist.engine.router), not only its
+  own;
 - the evaluation gate runs on the leader (rank 0), whose verdict every replica follows; the leader alone rehearses
   (its rehearsal set is read from the shared log, the same on every replica).
 
@@ -22,10 +24,15 @@ others' exactly, version for version (``DataParallel.count_slices`` refuses a st
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator
 
+import torch.distributed as dist
+
 from alchemist.training.data_parallel import DataParallel
+
+logger = logging.getLogger(__name__)
 
 ROUND_S = 1.0  # how often idle replicas ask each other whether a batch is ready
 
@@ -35,6 +42,16 @@ class Lockstep:
         self.data_parallel = data_parallel
         self.round_s = round_s
         self._last_round = -float("inf")  # time.monotonic() of the latest round's start
+        self.broken: str | None = None  # why training stopped: a collective failed (a replica died)
+
+    def fail(self, error: BaseException) -> None:
+        """A collective failed: the group lost a member (or timed out) and cannot be used again. Training stops
+        here; serving goes on. (Forming a new group with the replicas alive, and taking back a restarted one, is
+        not built yet.)"""
+        if self.broken is None:
+            self.broken = f"{type(error).__name__}: {error}"
+            logger.error("training in lockstep stopped: the replicas' group failed (%s); serving goes on, feedback "
+                         "stays queued", self.broken)  # fmt: skip
 
     @property
     def leader(self) -> bool:
@@ -45,7 +62,7 @@ class Lockstep:
         return self.data_parallel.world_size
 
     def round_due(self) -> bool:
-        return time.monotonic() - self._last_round >= self.round_s
+        return self.broken is None and time.monotonic() - self._last_round >= self.round_s
 
     def start_round(self) -> None:
         self._last_round = time.monotonic()
@@ -61,6 +78,14 @@ class Lockstep:
     def all_slices(self, flag: bool) -> Generator[None, None, bool]:
         (total,) = yield from self.sum_slices([float(flag)])
         return total == self.world_size
+
+    def gather_slices(self, obj: object) -> Generator[None, None, list[object]]:
+        """Every replica's ``obj`` (picklable), by rank. The exchange itself blocks, so the replicas first meet in
+        an asynchronous all-reduce: then it only waits for bytes, not for a replica that is still serving."""
+        yield from self.sum_slices([0.0])
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.data_parallel.group)
+        return gathered
 
     def from_leader_slices(self, values: list[float]) -> Generator[None, None, list[float]]:
         """The leader's ``values`` on every replica (the others pass as many of anything)."""

@@ -229,11 +229,13 @@ class OnlineTrainer:
             next(self._job)
         except StopIteration:
             self._job = None
-        except Exception:
+        except Exception as e:
             # Nothing acknowledged is lost: the batch's entries are still queued in the log, read again later.
             logger.exception("online training failed; its batch will be read again")
             self._job = None
             self.lineage.abandon()
+            if self.lockstep is not None:  # the replicas' group is not usable after a failed collective
+                self.lockstep.fail(e)
         elapsed = time.perf_counter() - t0
         self.stats.train_s += elapsed
         self._job_s += elapsed
@@ -316,7 +318,11 @@ class OnlineTrainer:
         if lockstep is not None and self.gate is not None:  # the leader's verdict
             promoted = bool((yield from lockstep.from_leader_slices([float(promoted)]))[0])
         if promoted:
-            yield from self.lineage.publish_slices(done)
+            taught = None  # the prompts of the corrections it serves: this batch's, or in lockstep every replica's
+            if lockstep is not None and self.adapter.cut:
+                mine = [e.prompt_token_ids for e in done if e.correction]
+                taught = [prompt for part in (yield from lockstep.gather_slices(mine)) for prompt in part]
+            yield from self.lineage.publish_slices(done, taught)
         yield from self.lineage.commit_slices(done, metrics, evaluation, self._job_s, promoted)
 
     def _carried_slices(self, feedback: FeedbackBatch, samples: list[Sample], step: StepResult) -> Generator[

@@ -1,7 +1,8 @@
 """The online loop of two replicas in lockstep (alchemist.training.lockstep) against one process's: each replica a
 spawned process with its own engine (a tiny random model, fp32, recording every prompt), its own feedback log holding
 its share of the corrections and its own checkpoints, in one gloo group; the single process has every correction in
-one log. Their batches are one batch: the same steps, versions and adapter, every entry trained once."""
+one log. Their batches are one batch: the same steps, versions and adapter, the same corrections routed, every
+entry trained once."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def train(tmp: Path, model_dir: Path, pairs, first: int, lockstep: Lockstep | No
         "states": [(e.state, e.trained_version) for e in log.read()],
         "checkpoints": [v.version for v in checkpoints.versions()],
         "replayed": trainer.stats.replayed,
+        "taught": sorted(map(tuple, trainer.adapter.taught)),  # the prompts its corrections' ranks serve
         "allreduce_s": trainer.stats.allreduce_s,
     }
 
@@ -107,3 +109,5 @@ def test_replicas_in_lockstep_train_what_one_process_trains(tmp_path, tiny_dirs)
         # to a few 1e-6: within a thousandth of the 3 x lr (3e-2) the values moved.
         torch.testing.assert_close(replicas[0]["adapter"][name], want, rtol=0, atol=3e-5, msg=name)
     assert alone["replayed"] == replicas[0]["replayed"] + replicas[1]["replayed"]
+    # Each replica serves every correction of the batch to the requests like its prompt, the others' too.
+    assert len(alone["taught"]) == 4 and all(seen["taught"] == alone["taught"] for seen in replicas)
