@@ -92,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     """``argv`` without the flags meant for the serve parser, and those flags: all of `serve`'s, and the serve flags
-    among `bench online`'s and `bench paper`'s (a serve flag and the values after it)."""
+    among `bench online`'s, `bench paper`'s and `bench scale`'s (a serve flag and the values after it)."""
     if argv[:1] == ["serve"]:
         return ["serve"], argv[1:]
-    if argv[:2] not in (["bench", "online"], ["bench", "paper"]):
+    if argv[:2] not in (["bench", "online"], ["bench", "paper"], ["bench", "scale"]):
         return argv, []
     names = serve_flag_names()
     rest, serve, i = argv[:2], [], 2

@@ -37,8 +37,9 @@ def smollm2_tokenizer(smollm2):
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """One throwaway PostgreSQL server for the whole test run (tests/pg.py); started by the first test that asks."""
-    from tests.pg import postgres_server
+    """One throwaway PostgreSQL server for the whole test run (alchemist/bench/postgres.py); started by the first
+    test that asks."""
+    from alchemist.bench.postgres import postgres_server
 
     with postgres_server() as server:
         yield server

@@ -27,7 +27,7 @@ def _model_flags(p: argparse.ArgumentParser, **defaults: object) -> None:
 def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     bench = sub.add_parser("bench", help="benchmarks (each takes --json: one JSON object per table row)")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    for register_one in (_forward, _serve, _train, _memory, _online, _learn, _ui, _soak, _paper):
+    for register_one in (_forward, _serve, _train, _memory, _online, _learn, _ui, _soak, _paper, _scale):
         register_one(bsub)
     return bsub
 
@@ -275,3 +275,26 @@ def _paper(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="a directory: rows.jsonl, note.txt and one PNG per claim")
     p.set_defaults(func=_runs("paper"), serve_base=online_servers)
+
+
+def _scale(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "scale", help="one replica against several on this machine: serving, training per replica, the collectives' "
+        "share, record affinity",
+        epilog="Every `alchemist serve` flag (and --config FILE) sets the servers it starts; here their defaults are "
+        "`bench online`'s. Each count's feedback log is a fresh database of a throwaway PostgreSQL server.",
+    )  # fmt: skip
+    p.add_argument("--replica-counts", dest="replicas", type=int, nargs="+", default=[1, 2],
+                   help="replicas of each run (one run per count, the machine's cores split between them)")  # fmt: skip
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--request-rate", type=float, default=1.0, help="requests per second (Poisson arrivals)")
+    p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
+    p.add_argument("--max-prompt-tokens", type=int, default=768)
+    p.add_argument("--max-tokens", type=int, default=96, help="cap on output tokens")
+    p.add_argument("--feedback-fraction", type=float, default=0.25, help="responses that get feedback")
+    p.add_argument("--feedback", default="fact", choices=["correction", "rating", "fact"],
+                   help="as `bench online`'s (fact: the request asks an invented fact, corrected with it)")  # fmt: skip
+    p.add_argument("--drain-s", type=float, default=300.0, help="after the load, training may finish for this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_runs("scale"), serve_base=online_servers)

@@ -308,9 +308,36 @@ def _serving(runs: list[tuple[str, dict]]) -> str:
     return table(header, body) + "\n" + table(["invocation", "run", "req/s", "ratio", "value", "goal", ""], goals)
 
 
+SCALE_GOALS = (("allreduce_share", "<= 0.05"), ("feedback_affinity", ">= 0.95"))  # issue 43's
+
+
+def scale_block(meta: dict, folder: Path) -> str:
+    """`bench scale`'s rows, per invocation (``meta["files"]``: label -> rows): each count of replicas' serving,
+    training per replica, the collectives' share of training time and record affinity; then issue 43's goals."""
+    header = ["invocation", "replicas x cores", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
+              "samples/s per replica", "steps", "collectives' share", "feedback to its replica", "replayed",
+              "versions at the end", "unsettled"]  # fmt: skip
+    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    body, goals = [], []
+    for label, file in meta["files"].items():
+        for r in read_rows(folder / file):
+            body.append([label, f"{r['replicas']} x {r['cores_each']}", f1(r["output_tok_s"]),
+                         f"{f1(r['ttft_p50_ms'])} / {f1(r['ttft_p99_ms'])}",
+                         f"{f1(r['tpot_p50_ms'])} / {f1(r['tpot_p99_ms'])}", _fmt(r["samples_s_per_replica"]),
+                         r["steps"], pct(r["allreduce_share"]), pct(r["feedback_affinity"]),
+                         pct(r["replayed_share"]), ", ".join(map(str, r["versions"])), r["unsettled"]])  # fmt: skip
+            if r["replicas"] > 1:
+                for field, goal in SCALE_GOALS:
+                    value = r[field]
+                    bound = float(goal.split()[1])
+                    met = value is not None and (value <= bound if goal.startswith("<=") else value >= bound)
+                    goals.append([label, r["replicas"], field, pct(value), goal, "met" if met else "not met"])
+    return table(header, body) + "\n" + table(["invocation", "replicas", "measure", "value", "goal", ""], goals)
+
+
 RENDERERS: dict[str, Callable[[dict, Path], str]] = {
     "serve": serve_block, "online": online_block, "learn": learn_block, "soak": soak_block, "memory": memory_block,
-    "paper": paper_block,
+    "paper": paper_block, "scale": scale_block,
 }
 
 

@@ -81,6 +81,10 @@ class _TrainingCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "training_seconds", "Time spent in training slices (between engine steps).", value=s.train_s
         )
+        yield CounterMetricFamily(
+            PREFIX + "training_allreduce_seconds", "Time of the replicas' collectives in data-parallel steps, launch "
+            "to completion (waits for the others included; 0 alone).", value=s.allreduce_s,
+        )  # fmt: skip
         samples = CounterMetricFamily(
             PREFIX + "training_samples", "Sample passes, by path: replayed or recomputed.", labels=["path"]
         )

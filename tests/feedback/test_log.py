@@ -1,9 +1,10 @@
 """The feedback log's contract (``alchemist.feedback.log.FeedbackLog``), run against every implementation: durable
 appends (across processes, through SIGKILL), idempotency, reads by position, states, the trainer's queue, counts and
 listeners. Every implementation runs all of it by being in ``BACKENDS``: SQLite, and PostgreSQL on a throwaway
-server (tests/pg.py). What only SQLite has (its WAL mode, its schema migrations): tests/feedback/test_sqlite_log.py;
-what only PostgreSQL has (claims across processes): tests/feedback/test_postgres_log.py; the trainer's policy over
-what the log returns: tests/training/test_taught.py and test_regression.py."""
+server (alchemist/bench/postgres.py). What only SQLite has (its WAL mode, its schema migrations):
+tests/feedback/test_sqlite_log.py; what only PostgreSQL has (claims across processes):
+tests/feedback/test_postgres_log.py; the trainer's policy over what the log returns: tests/training/test_taught.py
+and test_regression.py."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def sqlite_backend(request: pytest.FixtureRequest) -> Backend:
 
 
 def postgres_backend(request: pytest.FixtureRequest) -> Backend:
-    url = request.getfixturevalue("postgres_url")  # a fresh database on the test run's server (tests/pg.py)
+    url = request.getfixturevalue("postgres_url")  # a fresh database on the test run's throwaway server
     source = f"from alchemist.feedback.postgres_log import PostgresFeedbackLog\nlog = PostgresFeedbackLog({url!r})\n"
     return Backend(lambda: PostgresFeedbackLog(url), source)
 

@@ -1,6 +1,9 @@
-"""A throwaway PostgreSQL server for the tests: started once per test run (tests/conftest.py's ``postgres_server``)
-in a temporary directory, on 127.0.0.1 and a free port, stopped and deleted at the end; each test gets a fresh
-database on it (``fresh_database``).
+"""A throwaway PostgreSQL server, for the tests (tests/conftest.py's ``postgres_server``: one per test run, each
+test a fresh database on it, ``fresh_database``) and `alchemist bench scale` (the replicas' shared feedback log): in a
+temporary directory, on 127.0.0.1 and a free port, stopped and deleted at the end.
+
+    with postgres_server() as server:
+        url = server.fresh_database()      # postgresql://postgres@127.0.0.1:PORT/NAME
 
 PostgreSQL's programs refuse to run as root, and CI runs as root: then they run as the ``postgres`` user, on a
 directory it owns. The server runs with fsync off (``-F``): it is thrown away, and nothing here tests surviving the
