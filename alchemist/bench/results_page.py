@@ -308,7 +308,7 @@ def _serving(runs: list[tuple[str, dict]]) -> str:
     return table(header, body) + "\n" + table(["invocation", "run", "req/s", "ratio", "value", "goal", ""], goals)
 
 
-SCALE_GOALS = (("allreduce_share", "<= 0.05"), ("feedback_affinity", ">= 0.95"))  # issue 43's
+SCALE_GOALS = (("allreduce_share", "<=", 0.05), ("feedback_affinity", ">=", 0.95))  # issue 43's
 
 
 def scale_block(meta: dict, folder: Path) -> str:
@@ -327,11 +327,11 @@ def scale_block(meta: dict, folder: Path) -> str:
                          r["steps"], pct(r["allreduce_share"]), pct(r["feedback_affinity"]),
                          pct(r["replayed_share"]), ", ".join(map(str, r["versions"])), r["unsettled"]])  # fmt: skip
             if r["replicas"] > 1:
-                for field, goal in SCALE_GOALS:
+                for field, op, bound in SCALE_GOALS:
                     value = r[field]
-                    bound = float(goal.split()[1])
-                    met = value is not None and (value <= bound if goal.startswith("<=") else value >= bound)
-                    goals.append([label, r["replicas"], field, pct(value), goal, "met" if met else "not met"])
+                    met = value is not None and (value <= bound if op == "<=" else value >= bound)
+                    goals.append([label, r["replicas"], field, pct(value), f"{op} {bound:.0%}",
+                                  "met" if met else "not met"])  # fmt: skip
     return table(header, body) + "\n" + table(["invocation", "replicas", "measure", "value", "goal", ""], goals)
 
 

@@ -187,7 +187,11 @@ class BatchAnchors:
         return [facts[(start + i) % len(facts)] for i in range(count)]
 
 
-def in_turn(anchors: list[Sample], step: int, turn: int) -> list[Sample]:
+def in_turn(anchors: list[Sample], step: int, turn: int, replicas: int = 1, rank: int = 0) -> list[Sample]:
     """The anchors of a batch's ``step`` when they are spread over ``turn`` steps: every ``turn``-th one, from the
-    step's place in the turn on (served and known facts alike spread, as they are listed)."""
+    step's place in the turn on (served and known facts alike spread, as they are listed). One of ``replicas`` in
+    lockstep (``rank``) spreads its own over a turn ``replicas`` times longer, from its own places in it: a step
+    over all of them holds as many as one process's, and of a list every replica has (the known facts) each takes
+    other ones."""
+    turn, step = turn * replicas, step * replicas + rank
     return anchors[step % turn :: turn] if turn > 1 else anchors

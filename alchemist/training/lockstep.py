@@ -12,6 +12,8 @@ what one replica sees is taken here from all of them, with one small all-reduce 
 - each kind of sample's count, for the loss scales (a correction weighs what it weighs in one process's batch of the
   union), and KTO's reference point from every replica's mismatched pairs;
 - the steps end when every replica's corrections are learned, or when any replica's backlog says yield;
+- each replica's anchors (its own traffic's) come in a turn N times longer, so that a step over all of them holds
+  as many as one process's;
 - a version is published if any replica settles entries with it (the others publish the same adapter), and it
   serves every replica's corrections to the requests like their prompts (alchemist.engine.router), not only its
   own;

@@ -283,7 +283,8 @@ class OnlineTrainer:
         for epoch in range(c.stopping.epochs):
             samples, scales = yield from feedback.samples_slices(self.trainer, lockstep)  # z0 under this adapter
             screen = partial(self._screen, entries, feedback, len(samples)) if epoch == 0 else None
-            step_anchors = in_turn(anchors, epoch, c.anchors.turn)
+            n, rank = (lockstep.world_size, lockstep.data_parallel.rank) if lockstep else (1, 0)
+            step_anchors = in_turn(anchors, epoch, c.anchors.turn, n, rank)  # in lockstep: a share of its own pool
             num_anchors = len(step_anchors)
             if lockstep is not None:
                 (num_anchors,) = yield from lockstep.sum_slices([num_anchors])

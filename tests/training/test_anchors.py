@@ -195,6 +195,12 @@ def test_anchors_take_turns_over_a_batchs_steps(engine, tmp_path):
     once in k steps, and again after; the batch's metrics count its anchors, the stats each pass."""
     assert [in_turn(list(range(7)), step, 3) for step in range(4)] == [[0, 3, 6], [1, 4], [2, 5], [0, 3, 6]]
     assert in_turn(list(range(3)), 5, 1) == [0, 1, 2]
+    # Two replicas in lockstep, each with the same list (the known facts): at each step they take other ones, as
+    # many together as one process takes.
+    for step in range(4):
+        mine, theirs = (in_turn(list(range(8)), step, 2, replicas=2, rank=rank) for rank in (0, 1))
+        assert not set(mine) & set(theirs) and len(mine) + len(theirs) == len(in_turn(list(range(8)), step, 2))
+    assert in_turn(list(range(8)), 0, 1, replicas=2, rank=1) == [1, 3, 5, 7]  # turn 1: half each
     trainer, log, checkpoints = online(engine, tmp_path, anchors={"samples": 5, "turn": 2}, stopping={"epochs": 3})
     for i in range(5):
         trainer.anchors.offer(Anchor(f"a{i}", [1, 2, 3, 4 + i], [5, 6, 7 + i]))
