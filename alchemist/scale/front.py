@@ -14,7 +14,8 @@ back as the replica gave it, streamed chunk by chunk. Where a request goes:
 - feedback: to the replica that served the response (its index is in the response id, ``replica.replica_of``):
   it holds the response and its record. When that replica is not ready, to another (counted as a miss), which
   answers 404 for a response it never served: the feedback logged before, in the shared log, trains wherever.
-- everything else (models, the feedback log's reads, adapters, the web pages): the least loaded replica.
+- everything else (models, the feedback log's reads, adapters, the web pages and the dashboard's series): the first
+  replica ready, so that a page's views come from one replica while it lives.
 
 A replica the front cannot reach (its process died, or Ray restarts it) is marked ``dead`` and gets no requests
 until ``info`` says it is ``ready`` again; a stream cut by its death ends with an error event in the OpenAI
@@ -141,6 +142,14 @@ class ReplicaSet:
             return owner, "affinity"
         return least, "least_loaded"
 
+    def stable(self, excluding: set[int] = frozenset()) -> Handle:
+        """The replica that answers everything but completions and feedback: the first ready one, so that the pages
+        and the dashboard's series come from one replica while it lives, not from whichever is least busy."""
+        ready = self.ready(excluding)
+        if not ready:
+            raise NoReplicaError("no replica is ready to serve (they are starting, or restarting after a failure)")
+        return ready[0]
+
     def for_feedback(self, response_id: str, excluding: set[int] = frozenset()) -> Handle:
         index = replica_of(response_id)
         holder = next((h for h in self.handles if h.index == index), None)
@@ -244,8 +253,10 @@ async def _forward(request: Request, replicas: ReplicaSet, client: httpx.AsyncCl
         try:
             if response_id is not None:
                 handle, reason = replicas.for_feedback(response_id, tried), "record"
-            else:
+            elif path in ROUTED:
                 handle, reason = replicas.pick(affinity, tried)
+            else:
+                handle, reason = replicas.stable(tried), "stable"
         except NoReplicaError as e:
             return Response(error_body(str(e)), status_code=503, media_type="application/json")
         assert handle.info is not None and handle.info.url is not None
