@@ -290,13 +290,12 @@ class GateConfig:
     enabled: Annotated[bool, flag("train-gate", "evaluate new adapter versions before they serve")] = True
     heldout_max_rise: Annotated[float, flag("train-gate-heldout-max-rise", "held-out perplexity rise over the "
                                             "base model a version may have (0.1: a tenth)")] = 0.10  # fmt: skip
-    # Nats a canary answer's log-probability may lose against the base model: any one of them (3: the answer became
-    # 20 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital
-    # (a batch that stopped early cost France's canary only 4.7 nats, and passed the former bound of 6), far above
-    # what teaching the ten invented facts costs them at the defaults (0.09 at worst) (docs/benchmarks.md, "The
+    # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
+    # 400 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital,
+    # and to facts overlearned until the model answered "The capital of France is France." (docs/benchmarks.md, "The
     # evaluation gate").
     canary_max_drop: Annotated[float, flag("train-gate-canary-max-drop", "nats any canary answer's "
-                                           "log-probability may lose against the base model")] = 3.0  # fmt: skip
+                                           "log-probability may lose against the base model")] = 6.0  # fmt: skip
     canary_max_mean_drop: Annotated[float, flag("train-gate-canary-max-mean-drop",
                                                 "... and all of them on average")] = 3.0  # fmt: skip
     taught_max_rise: Annotated[float, flag("train-gate-taught-max-rise", "nats per token a fact taught "

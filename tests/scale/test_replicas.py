@@ -78,7 +78,7 @@ def test_requests_through_the_front_reach_both_replicas(front):
     again = chat(front, questions[0])
     assert replica_of(again["id"]) == replica_of(answers[0]["id"])
     # Everything else to one replica, the first ready: a page's views (the dashboard's series) from one replica.
-    stable = 'alchemist:front_requests_total{replica="0",reason="stable"}'
+    stable = 'alchemist:front_requests_total{reason="stable",replica="0"}'  # labels sorted
     before = metric(front, stable)
     for _ in range(3):
         assert httpx.get(front.base_url + "/v1/models", headers=front.headers, timeout=10).status_code == 200
