@@ -134,8 +134,11 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
             hits = front.get('alchemist:front_feedback_total{affinity="hit"}', 0.0)
             misses = front.get('alchemist:front_feedback_total{affinity="miss"}', 0.0)
             row["feedback_affinity"] = round(hits / (hits + misses), 3) if hits + misses else None
-            states = httpx.get(server.url + "/v1/replicas", timeout=30).json()["data"]
-            row["versions"] = sorted({r["adapter_version"] for r in states})
+            deadline = time.monotonic() + 60.0  # a version swaps in at a replica's next step: give them that
+            while len(versions := {r["adapter_version"] for r in httpx.get(
+                    server.url + "/v1/replicas", timeout=30).json()["data"]}) > 1 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            row["versions"] = sorted(versions)
         else:
             row["feedback_affinity"] = 1.0 if row["feedback"] else None  # one replica holds every record
             row["versions"] = [httpx.get(server.url + "/v1/adapters", timeout=30).json()["serving_version"]]
