@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,14 +40,84 @@ def smollm2_tokenizer(smollm2):
     return smollm2.tokenizer
 
 
-@pytest.fixture(scope="session")
-def postgres_server():
-    """One throwaway PostgreSQL server for the whole test run (alchemist/bench/postgres.py); started by the first
-    test that asks."""
-    from alchemist.bench.postgres import postgres_server
+# --- services the whole run shares -------------------------------------------------------------------------------
+# A throwaway PostgreSQL server and a local Ray cluster start once per test run, `make test`'s two workers included:
+# the first test that asks starts one (under a file lock in the run's temporary directory, which the workers share)
+# and writes how to reach it there; the run's end stops it (pytest_sessionfinish in the controller, after every
+# worker: a worker that ran out of files must not stop what the other still uses).
 
-    with postgres_server() as server:
-        yield server
+
+def _run_dir(config: pytest.Config) -> Path:
+    """The run's own temporary directory: the workers' parent (theirs are popen-gwN in it), or the single process's."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]  # pytest's tmp_path_factory
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def _run_wide(config: pytest.Config, name: str, start) -> dict:
+    """Service ``name``'s description (a JSON object), from the run's directory, or from ``start()`` once."""
+    from filelock import FileLock
+
+    root = _run_dir(config)
+    described = root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not described.exists():
+            described.write_text(json.dumps(start()))
+        return json.loads(described.read_text())
+
+
+def _start_ray() -> dict:
+    """A local Ray head (``ray start``) on this machine's cores, counted four times over: each replica's torch
+    threads are its own setting (alchemist.scale.serve.replica_cpus), and two test modules' replicas may share it."""
+    port = _free_port()
+    cpus = 4 * (os.cpu_count() or 1)
+    subprocess.run([_ray(), "start", "--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
+                    "--disable-usage-stats", f"--object-store-memory={80 << 20}"],
+                   check=True, capture_output=True, timeout=180)  # fmt: skip
+    return {"address": f"127.0.0.1:{port}"}
+
+
+def _ray() -> str:
+    """Ray's command, beside this Python (a virtual environment's bin is not always on the PATH: `make test`)."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else "ray"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # a worker: the controller stops the services once every worker is done
+    root = _run_dir(session.config)
+    if (root / "ray.json").exists():
+        subprocess.run([_ray(), "stop", "--force"], capture_output=True, timeout=120)
+    if (root / "postgres.json").exists():
+        from alchemist.bench.postgres import PostgresServer, stop_postgres
+
+        described = json.loads((root / "postgres.json").read_text())
+        stop_postgres(PostgresServer(described["port"], Path(described["root"])))
+
+
+@pytest.fixture(scope="session")
+def postgres_server(request: pytest.FixtureRequest):
+    """One throwaway PostgreSQL server for the whole test run (alchemist/bench/postgres.py)."""
+    from alchemist.bench.postgres import PostgresServer, start_postgres
+
+    def start() -> dict:
+        server = start_postgres()
+        return {"port": server.port, "root": str(server.root)}
+
+    described = _run_wide(request.config, "postgres", start)
+    return PostgresServer(described["port"], Path(described["root"]))
+
+
+@pytest.fixture(scope="session")
+def ray_address(request: pytest.FixtureRequest) -> str:
+    """One local Ray cluster for the whole test run: what `alchemist serve --ray-address` joins."""
+    return _run_wide(request.config, "ray", _start_ray)["address"]
 
 
 @pytest.fixture

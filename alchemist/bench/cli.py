@@ -282,7 +282,8 @@ def _scale(bsub: argparse._SubParsersAction) -> None:
         "scale", help="one replica against several on this machine: serving, training per replica, the collectives' "
         "share, record affinity",
         epilog="Every `alchemist serve` flag (and --config FILE) sets the servers it starts; here their defaults are "
-        "`bench online`'s. Each count's feedback log is a fresh database of a throwaway PostgreSQL server.",
+        "`bench online`'s. Each count's feedback log is a fresh database of a throwaway PostgreSQL server, or of "
+        "--feedback-db's where it is a postgresql:// URL; --ray-address: the replicas' Ray cluster.",
     )  # fmt: skip
     p.add_argument("--replica-counts", dest="replicas", type=int, nargs="+", default=[1, 2],
                    help="replicas of each run (one run per count, the machine's cores split between them)")  # fmt: skip

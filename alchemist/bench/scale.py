@@ -4,11 +4,11 @@
                           [any `alchemist serve` flag, or --config FILE]
 
 For each count N of ``--replica-counts``: `alchemist serve --replicas N` (N = 1: one server process on the cores a
-replica of the largest count gets; N > 1: a front, a local Ray cluster and N replicas of ``cpu_count // N`` cores
-each), its feedback log a fresh database of a throwaway PostgreSQL server for every N alike. The same workload each
-time, `bench online`'s (ShareGPT conversations with Poisson arrivals, every prompt recorded, a seeded fraction of
-the responses corrected as they finish: ``--feedback fact``'s invented facts by default), then the drain until the
-feedback is trained. A row per N:
+replica of the largest count gets; N > 1: a front, a local Ray cluster (or --ray-address's) and N replicas of
+``cpu_count // N`` cores each), its feedback log a fresh database of a throwaway PostgreSQL server (or of
+--feedback-db's) for every N alike. The same workload each time, `bench online`'s (ShareGPT conversations with
+Poisson arrivals, every prompt recorded, a seeded fraction of the responses corrected as they finish: ``--feedback
+fact``'s invented facts by default), then the drain until the feedback is trained. A row per N:
 
 - serving: output tokens/s, TTFT / TPOT / ITL percentiles (client-side, as `bench online` measures them);
 - training, per replica (the replicas' /metrics summed, divided by N): sample passes per second of training slices,
@@ -32,6 +32,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -47,7 +50,7 @@ from alchemist.bench.online import (
     summarize,
     warm_up,
 )
-from alchemist.bench.postgres import postgres_server
+from alchemist.bench.postgres import fresh_database, postgres_server
 from alchemist.bench.report import print_rows
 from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
@@ -72,10 +75,11 @@ def summed(urls: list[str]) -> dict[str, float]:
 
 
 def wait_ready(url: str, replicas: int, timeout_s: float = 600.0) -> None:
+    """Until every replica serves and, where they train, trains in the replicas' group (not "waiting")."""
     deadline = time.monotonic() + timeout_s
     while replicas > 1 and time.monotonic() < deadline:
         states = httpx.get(url + "/v1/replicas", timeout=30).json()["data"]
-        if all(r["state"] == "ready" for r in states):
+        if all(r["state"] == "ready" and r["training"] != "waiting" for r in states):
             return
         time.sleep(0.5)
     if replicas > 1:
@@ -149,6 +153,17 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
     return row
 
 
+@contextmanager
+def postgres_databases(feedback_db: str | None) -> Iterator[Callable[[], str]]:
+    """Fresh databases for the runs' feedback logs: on the server of ``--feedback-db`` where it names one
+    (postgresql://), else on a throwaway server, deleted after the runs."""
+    if feedback_db is not None and feedback_db.startswith(("postgresql://", "postgres://")):
+        yield partial(fresh_database, feedback_db)
+    else:
+        with postgres_server() as pg:
+            yield pg.fresh_database
+
+
 def main(args: argparse.Namespace) -> int:
     if any(n < 1 for n in args.replicas):
         raise ValueError("--replicas: counts of replicas, each at least 1")
@@ -163,9 +178,9 @@ def main(args: argparse.Namespace) -> int:
     )
     print(note, file=sys.stderr)
     rows = []
-    with postgres_server() as pg:
+    with postgres_databases(args.serve.server.feedback_db) as fresh_database:
         for replicas in args.replicas:
-            rows.append(bench_level(args, replicas, work, pg.fresh_database()))
+            rows.append(bench_level(args, replicas, work, fresh_database()))
             print_rows(rows[-1:], True, sys.stderr)
     print_rows(rows, args.json)
     if not args.json:

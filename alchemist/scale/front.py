@@ -17,6 +17,10 @@ back as the replica gave it, streamed chunk by chunk. Where a request goes:
 - everything else (models, the feedback log's reads, adapters, the web pages and the dashboard's series): the first
   replica ready, so that a page's views come from one replica while it lives.
 
+The front also decides which replicas train together: whenever the replicas ready to train change (one died, one
+came back) or one says its group failed, it publishes a new generation of their process group
+(``alchemist.training.generations``); the replicas move to it at their next round.
+
 A replica the front cannot reach (its process died, or Ray restarts it) is marked ``dead`` and gets no requests
 until ``info`` says it is ``ready`` again; a stream cut by its death ends with an error event in the OpenAI
 envelope, not a hang; a request that had not reached it goes to another.
@@ -41,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from alchemist.config import ServerConfig
 from alchemist.scale.replica import ReplicaInfo, replica_of
 from alchemist.server.auth import Caller, KeyStore, admin, metrics_reader
+from alchemist.training.generations import Generations
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +86,11 @@ class NoReplicaError(RuntimeError):
 
 
 class ReplicaSet:
-    """The replicas behind the front, watched every ``WATCH_S``."""
+    """The replicas behind the front, watched every ``WATCH_S``; with ``generations``, the groups they train in."""
 
-    def __init__(self, handles: list[Handle]) -> None:
+    def __init__(self, handles: list[Handle], generations: Generations | None = None) -> None:
         self.handles = handles
+        self.generations = generations
         self.registry = CollectorRegistry()
         self.routed = Counter("alchemist:front_requests", "requests passed to a replica, by why it was chosen",
                               ["replica", "reason"], registry=self.registry)  # fmt: skip
@@ -94,6 +100,8 @@ class ReplicaSet:
         self.cut = Counter("alchemist:front_streams_cut", "streams that ended with an error because their replica "
                            "died", registry=self.registry)  # fmt: skip
         self.states = Gauge("alchemist:front_replicas", "replicas by state", ["state"], registry=self.registry)
+        self.generation = Gauge("alchemist:front_training_generation", "the newest generation of the group the "
+                                "replicas train in", registry=self.registry)  # fmt: skip
 
     async def watch_forever(self) -> None:
         while True:
@@ -104,6 +112,22 @@ class ReplicaSet:
         await asyncio.gather(*(self._ask(handle) for handle in self.handles))
         for state in ("ready", "starting", "dead"):
             self.states.labels(state).set(sum(h.state == state for h in self.handles))
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """A new generation of the training group when the replicas ready to train are not its members, or when one
+        of them says the group failed under it (a collective timed out: its members may all be alive)."""
+        if self.generations is None:
+            return
+        trainers = [h.info for h in self.handles if h.ready and h.info is not None
+                    and not h.info.training.startswith("off")]
+        members = [info.index for info in trainers]
+        latest = self.generations.latest()
+        failed = any(info.broken is not None and info.generation >= latest for info in trainers)
+        if members and (members != self.generations.members or failed):
+            generation = self.generations.publish(members)
+            self.generation.set(generation)
+            log.warning("replicas %s train together from now on: generation %d of their group", members, generation)
 
     async def _ask(self, handle: Handle) -> None:
         before = handle.state
@@ -239,6 +263,7 @@ def _describe(handle: Handle) -> dict:
         "in_flight": handle.in_flight,
         "records": info.records if info else 0,
         "training": info.training if info else None,
+        "generation": info.generation if info else None,
         "error": info.error if info else None,
     }
 

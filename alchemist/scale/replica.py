@@ -29,9 +29,9 @@ from alchemist.config import Config
 log = logging.getLogger(__name__)
 
 _TAGGED = re.compile(r"^(?:chatcmpl|cmpl)-r(\d+)-")
-# How long joining the replicas' process group, and then each collective, waits for the others: the first for their
-# model loads, the second for a replica whose serving leaves training little time (under a saturating load its
-# slices still come about once a second: alchemist.runtime.time_share).
+# How long forming a group of the replicas waits for its members (each comes within a round of the generation's
+# publishing), and each collective for its peers: for a replica whose serving leaves training little time (under a
+# saturating load its slices still come about once a second: alchemist.runtime.time_share).
 GROUP_TIMEOUT_S = 300.0
 
 
@@ -58,7 +58,11 @@ class ReplicaInfo:
     running: int = 0  # requests decoding or prefilling
     waiting: int = 0  # requests waiting for admission
     records: int = 0  # activation records its store holds
-    training: str = "off"  # "on" (in lockstep with the others), "off" (and why), "stopped: ..." (its group failed)
+    # "on" (in lockstep with the others), "off" (and why), "waiting" (for a group with the others: its first, or a
+    # new one after its group failed, which ``broken`` says why)
+    training: str = "off"
+    generation: int = 0  # of the replicas' group it trains in (or was in last: alchemist.training.generations)
+    broken: str | None = None  # why its group failed (None: it did not, or it is in a newer one)
 
 
 def replica_config(config: Config, index: int, host: str) -> Config:
@@ -77,10 +81,10 @@ class Replica:
     """The actor's class (``replica_actor`` makes the Ray actor): a server that builds and serves in threads of its
     own, so that ``info`` answers while it loads."""
 
-    def __init__(self, config: Config, index: int, num_threads: int, rendezvous: str, num_replicas: int) -> None:
+    def __init__(self, config: Config, index: int, num_threads: int, coordinator: str) -> None:
         import ray
 
-        self.index, self.rendezvous, self.num_replicas = index, rendezvous, num_replicas
+        self.index, self.coordinator = index, coordinator
         self.node = ray.util.get_node_ip_address()
         host = "127.0.0.1" if config.scale.ray_address is None else self.node  # a local cluster stays on loopback
         self.config = replica_config(config, index, host)
@@ -89,16 +93,16 @@ class Replica:
         self._url = f"http://{host}:{self._sock.getsockname()[1]}"
         self._state, self._error = "starting", None
         self._engine = None  # once built
-        self._lockstep = None  # once joined
-        self.training = "on" if config.online.enabled else "off"
+        self._lockstep = None  # once built: its training with the others
+        self.training = "off" if not config.online.enabled else "waiting"
         self._thread = threading.Thread(target=self._run, name=f"replica-{index}", daemon=True)
         self._thread.start()
 
     def info(self) -> ReplicaInfo:
-        training = self.training
-        if self._lockstep is not None and self._lockstep.broken is not None:
-            training = f"stopped: {self._lockstep.broken}"
-        info = ReplicaInfo(self.index, self._state, self._url, self.node, os.getpid(), self._error, training=training)
+        info = ReplicaInfo(self.index, self._state, self._url, self.node, os.getpid(), self._error, self.training)
+        if (lockstep := self._lockstep) is not None:
+            info = dataclasses.replace(info, training="on" if lockstep.joined else "waiting",
+                                       generation=lockstep.generation, broken=lockstep.broken)  # fmt: skip
         if self._engine is None:
             return info
         stats = self._engine.stats()
@@ -116,7 +120,7 @@ class Replica:
 
         try:
             torch.set_num_threads(self.num_threads)  # this thread's own setting: the one that steps
-            self._lockstep = self._join()  # first: without it the replica serves without training
+            self._lockstep = self._join()  # None: the replica serves without training
             system = build(self.config, own_step_thread=False, lockstep=self._lockstep)
             self._engine = system.engine
             app = create_app(system)
@@ -137,24 +141,23 @@ class Replica:
 
 
     def _join(self):
-        """This replica's place in the replicas' training (None: training off): joins their process group, which
-        waits for every replica (each loads its model first)."""
+        """This replica's place in the replicas' training (None: training off). Its group forms later, when the
+        front publishes a generation with it (once it serves: alchemist.scale.front), and again whenever the
+        replicas alive change; a restarted replica resumes from its own last checkpoint and catches up there."""
         if not self.config.online.enabled:
             return None
-        import ray
         import torch
 
-        if ray.get_runtime_context().was_current_actor_reconstructed:  # the group it was in formed without it
-            return self._serve_untrained("restarted after the replicas' group formed: rejoining it is not built yet")
-
         from alchemist.training.data_parallel import DataParallel
+        from alchemist.training.generations import Generations
         from alchemist.training.lockstep import Lockstep
 
         device = torch.device("cuda" if self.config.engine.device == "cuda" else "cpu")
         try:
-            return Lockstep(DataParallel.join(self.rendezvous, self.index, self.num_replicas, device, GROUP_TIMEOUT_S))
+            generations = Generations.connect(self.coordinator)
         except Exception as e:
-            return self._serve_untrained(f"could not join the replicas' group ({type(e).__name__}: {e})")
+            return self._serve_untrained(f"could not reach the replicas' coordinator ({type(e).__name__}: {e})")
+        return Lockstep(DataParallel(device), generations=generations, index=self.index, timeout_s=GROUP_TIMEOUT_S)
 
     def _serve_untrained(self, why: str) -> None:
         log.error("replica %d serves without training: %s", self.index, why)
@@ -162,9 +165,10 @@ class Replica:
         self.config = dataclasses.replace(self.config, online=dataclasses.replace(self.config.online, enabled=False))
 
 
-def replica_actor(config: Config, index: int, num_cpus: int, rendezvous: str):
+def replica_actor(config: Config, index: int, num_cpus: int, coordinator: str):
     """A Ray actor running replica ``index`` on ``num_cpus`` cores (its torch threads), restarted by Ray whenever
-    its process dies; the replicas' process group meets at ``rendezvous`` (``tcp://HOST:PORT``)."""
+    its process dies; the replicas' process groups form at ``coordinator`` (``host:port`` of the front's store:
+    alchemist.training.generations)."""
     import ray
 
     actor_class = ray.remote(Replica)
@@ -173,4 +177,4 @@ def replica_actor(config: Config, index: int, num_cpus: int, rendezvous: str):
         num_cpus=num_cpus,
         max_restarts=-1,
         max_concurrency=4,  # info() answers while __init__'s threads load and serve
-    ).remote(config, index, num_cpus, rendezvous, config.scale.replicas)
+    ).remote(config, index, num_cpus, coordinator)

@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 
 from alchemist.config import Config
 from alchemist.scale.front import Handle, ReplicaSet, create_front
 from alchemist.scale.replica import replica_actor
+from alchemist.training.generations import Generations
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def replica_cpus(config: Config) -> int:
@@ -54,9 +48,11 @@ def serve_replicas(config: Config) -> None:
 
     start_ray(config)
     cpus = replica_cpus(config)
-    rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"  # the replicas' process group
-    actors = [replica_actor(config, index, cpus, rendezvous) for index in range(config.scale.replicas)]
-    replicas = ReplicaSet([Handle(index, actor) for index, actor in enumerate(actors)])
+    # The replicas' process groups form at a store in this process: it outlives any replica (training.generations).
+    generations = Generations.host(ray.util.get_node_ip_address()) if config.online.enabled else None
+    coordinator = generations.address if generations is not None else ""
+    actors = [replica_actor(config, index, cpus, coordinator) for index in range(config.scale.replicas)]
+    replicas = ReplicaSet([Handle(index, actor) for index, actor in enumerate(actors)], generations)
     app = create_front(replicas, config.server)
     server = config.server
     print(f"alchemist: {config.scale.replicas} replicas of {cpus} cores each, front at "

@@ -24,7 +24,8 @@ Their time, from launch to completion seen (waits for peers and serving's turns 
 is ``StepResult.allreduce_s`` and ``TrainingStats.allreduce_s``.
 
 The process group is the caller's (``join``, or any group handed in): gloo on CPU, nccl on CUDA (``backend_for``).
-A collective with a dead peer raises after the group's timeout; forming a new group is the caller's.
+A collective with a dead peer raises (gloo: at once, its connection closed; else after the group's timeout); forming a
+new group is the caller's (``alchemist.training.generations``): this object then works in the new default group.
 """
 
 from __future__ import annotations
@@ -57,9 +58,16 @@ class DataParallel:
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
         self.device = device  # where the collectives' buffers live (nccl reduces CUDA tensors only)
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
         self.collective_s = 0.0  # all collectives so far, each from launch to completion seen
+
+    # Read from the group at each use: the default group may be formed again (alchemist.training.generations).
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
 
     @classmethod
     def join(cls, init_method: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> DataParallel:

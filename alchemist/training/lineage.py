@@ -187,6 +187,29 @@ class Lineage:
         self.load_serving()
         self.adapter.version = 0 if latest is None else latest.version
 
+    def state(self) -> dict:
+        """What another replica needs to go on from this trainer's version (``adopt_slices``)."""
+        adapter = {name: t.detach().cpu() for name, t in self.adapter.state_dict().items()}
+        return {"version": self.version, "adapter": adapter, "optimizer": self.trainer.optimizer.state_dict(),
+                "undone": self.undone}  # fmt: skip
+
+    def adopt_slices(self, state: dict) -> Generator[None, None, None]:
+        """Catches up with a replica further along (``state``: its ``state()``; a replica restarted from an older
+        checkpoint, in lockstep): its version becomes this trainer's, checkpointed and served. The log is shared:
+        what that version trained is settled there already, and its taught prompts are read from it."""
+        self.adapter.load_state_dict(state["adapter"])
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.adapter.version, self.undone = state["version"], [list(r) for r in state["undone"]]
+        self.adapter.taught = taught_prompts(self.log, self.version, self.undone) if self.adapter.cut else []
+        position = self.log.settled_through()
+        metrics = {"adopted": True, **({"undone": self.undone} if self.undone else {})}
+        optimizer_state = self.trainer.optimizer.state_dict()
+        yield from self.checkpoints.save_slices(self.version, self.adapter, optimizer_state, position, metrics)
+        self.position = position
+        yield from self.publisher.set_adapter_slices(self.adapter, self.version)
+        self.queue.changed()
+        logger.info("online trainer: caught up with the replicas at adapter version %d", self.version)
+
     # --- a batch's version -----------------------------------------------------------------------------------------
 
     def publish_slices(

@@ -197,8 +197,8 @@ class OnlineTrainer:
             return True
         if not self.config.enabled:
             return False
-        if self.lockstep is not None:  # a round with the others is due, whether this replica has a batch or not
-            return self.lockstep.round_due()
+        if self.lockstep is not None:  # a round with the others (or a new group) is due, batch or not
+            return self.lockstep.due()
         return self._batch_ready()
 
     def _batch_ready(self) -> bool:
@@ -221,7 +221,7 @@ class OnlineTrainer:
             return 0.0
         if self._job is None and self.lockstep is not None:
             self.lockstep.start_round()
-            self._job = self._round_slices()
+            self._job = self._round_slices() if self.lockstep.joined else self._regroup_slices()
         elif self._job is None:
             self.lineage.watch_regressions()
             self._job = self._train_slices(self.queue.head())
@@ -248,8 +248,17 @@ class OnlineTrainer:
         none). (Regressions are not watched in lockstep: a rollback is not built there yet.)"""
         assert self.lockstep is not None
         ready = self._batch_ready()
-        if (yield from self.lockstep.any_slices(ready)):
+        if (yield from self.lockstep.round_slices(ready)):
             yield from self._train_slices(self.queue.head() if ready else [])
+
+    def _regroup_slices(self) -> Generator[None, None, None]:
+        """Into the newest generation's group of replicas (``alchemist.training.lockstep``), and, behind the member
+        furthest along, its adapter and optimizer state taken: the next round trains from the current version."""
+        assert self.lockstep is not None
+        if (yield from self.lockstep.form_slices()):
+            state = yield from self.lockstep.catch_up_slices(self.version, self.lineage.state)
+            if state is not None:
+                yield from self.lineage.adopt_slices(state)  # type: ignore[arg-type]
 
     def _agree_slices(self, flag: bool, every: bool) -> Generator[None, None, bool]:
         """``flag`` as the replicas decide it: all of them (``every``) or any; this trainer's alone without

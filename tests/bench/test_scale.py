@@ -1,6 +1,6 @@
 """`alchemist bench scale` end to end on a tiny workload (4 short requests, 8 tokens each, feedback on 2): one
-server, then a front with two replicas on a local Ray cluster, each with a fresh database of a throwaway PostgreSQL
-server; every row's fields present and sane. Speed is not asserted."""
+server, then a front with two replicas on the test run's Ray cluster, each with a fresh database of the run's
+PostgreSQL server; every row's fields present and sane. Speed is not asserted."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ CMD += ["--train-epochs", "1", "--train-protect-energy", "0", "--train-rehearse-
 CMD += ["--drain-s", "120"]
 
 
-def test_bench_scale_tiny():
-    done = subprocess.run(CMD, capture_output=True, text=True, timeout=900)
+def test_bench_scale_tiny(postgres_server, ray_address):
+    # the run's PostgreSQL server (a fresh database per replica count) and Ray cluster
+    cmd = [*CMD, "--feedback-db", postgres_server.url(), "--ray-address", ray_address]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     rows = {r["replicas"]: r for r in map(json.loads, done.stdout.splitlines())}
     assert list(rows) == [1, 2]

@@ -43,10 +43,10 @@ def wait_replicas(front: ServerProcess, ready: int, timeout_s: float = START_TIM
 
 
 @pytest.fixture(scope="module")
-def front(tmp_path_factory, postgres_server):
+def front(tmp_path_factory, postgres_server, ray_address):
     tmp = tmp_path_factory.mktemp("replicas")
-    flags = ["--replicas", "2", "--feedback-db", postgres_server.fresh_database(), "--no-train",
-             "--max-num-seqs", "4", "--max-model-len", "512"]  # fmt: skip
+    flags = ["--replicas", "2", "--ray-address", ray_address, "--feedback-db", postgres_server.fresh_database(),
+             "--no-train", "--max-num-seqs", "4", "--max-model-len", "512"]  # fmt: skip
     front = launch_server("front", tmp, tmp / "data", flags)
     try:
         wait_ready(front)

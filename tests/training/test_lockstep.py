@@ -28,47 +28,69 @@ CONFIG = {"queue": {"batch_size": 8}, "stopping": {"epochs": 3}}  # one batch of
 SHARES = [1, 3]  # the corrections on each replica (its log)
 
 
-def corrections() -> list[tuple[list[int], list[int]]]:
-    prompts = random_prompts([20, 23, 26, 29], seed=5)
+def corrections(n: int = 4) -> list[tuple[list[int], list[int]]]:
+    prompts = random_prompts([20 + 3 * i for i in range(n)], seed=5)
     return [(prompt, [(7 * i + j) % 256 for j in range(6)]) for i, prompt in enumerate(prompts)]
+
+
+class Side:
+    """One replica (``lockstep``) or the single process (None): its engine recording every prompt, its feedback
+    log, its checkpoints and its online trainer."""
+
+    def __init__(self, tmp: Path, model_dir: Path, lockstep: Lockstep | None) -> None:
+        tmp.mkdir()
+        model = build_model(model_dir, torch.float32)
+        config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+        self.engine = LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
+        self.feedback = SQLiteFeedbackLog(tmp / "feedback.sqlite")
+        self.checkpoints = AdapterCheckpoints(tmp / "adapters", keep=10)
+        self.lockstep = lockstep
+        self.trainer = OnlineTrainer.from_config(model, self.engine.tokenizer, self.engine, self.engine.store,
+                                                 self.feedback, self.checkpoints, tiny_loop_config(**CONFIG),
+                                                 lockstep)  # fmt: skip
+
+    def log(self, pairs: list[tuple[int, tuple[list[int], list[int]]]]) -> None:
+        """Serves each numbered pair's prompt (recorded) and logs a correction of it."""
+        for i, (prompt, response) in pairs:
+            self.engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            out = run_to_end(self.engine)[f"r{i}"][-1]
+            self.feedback.append(response_id=f"r{i}", kind="sft", correction="x", prompt_token_ids=prompt,
+                                 response_token_ids=response, output_token_ids=out.output_token_ids,
+                                 adapter_version=0, recorded=True)  # fmt: skip
+
+    def train_until_idle(self) -> None:
+        """Rounds (or batches alone) to their ends, until no replica has anything queued."""
+        for _ in range(20):
+            self.trainer.run_slice()
+            while self.trainer.in_batch:
+                self.trainer.run_slice()
+            idle = not self.feedback.queued_seqs()
+            if run_slices(self.lockstep.all_slices(idle)) if self.lockstep is not None else idle:
+                return
+        raise AssertionError("still training after 20 rounds")
+
+    def seen(self) -> dict:
+        """What the trainer holds now."""
+        trainer = self.trainer
+        return {
+            "adapter": {name: p.detach().clone() for name, p in trainer.adapter.named_parameters()},
+            "version": trainer.version,
+            "served": self.engine.adapter_version,
+            "states": [(e.state, e.trained_version) for e in self.feedback.read()],
+            "checkpoints": [v.version for v in self.checkpoints.versions()],
+            "replayed": trainer.stats.replayed,
+            "taught": sorted(map(tuple, trainer.adapter.taught)),  # the prompts its corrections' ranks serve
+            "allreduce_s": trainer.stats.allreduce_s,
+        }
 
 
 def train(tmp: Path, model_dir: Path, pairs, first: int, lockstep: Lockstep | None) -> dict:
     """Serves ``pairs``' prompts (recorded), logs a correction of each, and trains until none is queued: in rounds
     with the other replicas (``lockstep``) or alone. Returns what the trainer ended with."""
-    model = build_model(model_dir, torch.float32)
-    config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
-    engine = LLMEngine(model, char_tokenizer(), config, RecordConfig(policy="all", dtype="float32"))
-    log = SQLiteFeedbackLog(tmp / "feedback.sqlite")
-    for i, (prompt, response) in enumerate(pairs, start=first):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        out = run_to_end(engine)[f"r{i}"][-1]
-        log.append(response_id=f"r{i}", kind="sft", correction="x", prompt_token_ids=prompt,
-                   response_token_ids=response, output_token_ids=out.output_token_ids, adapter_version=0,
-                   recorded=True)  # fmt: skip
-    checkpoints = AdapterCheckpoints(tmp / "adapters", keep=10)
-    trainer = OnlineTrainer.from_config(model, engine.tokenizer, engine, engine.store, log, checkpoints,
-                                        tiny_loop_config(**CONFIG), lockstep)  # fmt: skip
-    rounds = 0
-    while True:  # a round (or a batch alone) to its end, until no replica has anything queued
-        trainer.run_slice()
-        while trainer.in_batch:
-            trainer.run_slice()
-        rounds += 1
-        idle = not log.queued_seqs()
-        if lockstep is None and idle or lockstep is not None and run_slices(lockstep.all_slices(idle)):
-            break
-        assert rounds < 20
-    return {
-        "adapter": {name: p.detach().clone() for name, p in trainer.adapter.named_parameters()},
-        "version": trainer.version,
-        "served": engine.adapter_version,
-        "states": [(e.state, e.trained_version) for e in log.read()],
-        "checkpoints": [v.version for v in checkpoints.versions()],
-        "replayed": trainer.stats.replayed,
-        "taught": sorted(map(tuple, trainer.adapter.taught)),  # the prompts its corrections' ranks serve
-        "allreduce_s": trainer.stats.allreduce_s,
-    }
+    side = Side(tmp, model_dir, lockstep)
+    side.log(list(enumerate(pairs, start=first)))
+    side.train_until_idle()
+    return side.seen()
 
 
 def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_dir: str) -> None:
@@ -77,7 +99,6 @@ def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_d
     first = sum(SHARES[:rank])
     pairs = corrections()[first : first + SHARES[rank]]
     tmp = Path(out_dir) / f"replica{rank}"
-    tmp.mkdir()
     seen = train(tmp, model_dir, pairs, first, Lockstep(data_parallel, round_s=0.0))
     torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -85,9 +106,7 @@ def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_d
 
 def test_replicas_in_lockstep_train_what_one_process_trains(tmp_path, tiny_dirs):
     model_dir = tiny_dirs["llama-gqa-untied"]
-    alone_dir = tmp_path / "alone"
-    alone_dir.mkdir()
-    alone = train(alone_dir, model_dir, corrections(), 0, None)
+    alone = train(tmp_path / "alone", model_dir, corrections(), 0, None)
     args = (len(SHARES), f"file://{tmp_path / 'rendezvous'}", Path(model_dir), str(tmp_path))
     context = mp.start_processes(_replica, args, nprocs=len(SHARES), join=False, start_method="spawn")
     deadline = time.monotonic() + 180
