@@ -157,7 +157,9 @@ class ModelRunner:
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
         served = [self.served(seq.adapter_name) for seq in batch.seqs]
-        if any(a is not served[0] for a in served):  # rows of several adapters: the base weights and their deltas
+        # Rows of several adapters: the base weights and each adapter's delta on its rows, eager (the compiled step
+        # takes one set of weights, and its graph no per-row deltas).
+        if any(a is not served[0] for a in served):
             adapter: Adapter | None = AdapterRows.of(served, batch.num_tokens, self.answer_rows(batch), device)
             self.num_mixed_steps += 1
         else:
