@@ -464,6 +464,12 @@ class LLMEngine:
             self._aborted.append(self._output(seq))
             self._num_finished += 1
 
+    @property
+    def router(self) -> Router | None:
+        """Which requests the corrections' ranks of the shared adapter serving now serve (None: every request
+        alike)."""
+        return None if self.runner.adapter is None else self.runner.adapter.router
+
     def _router_of(self, seq: Sequence) -> Router | None:
         """The router of the adapter serving ``seq`` now: which requests its corrections' ranks serve (None: every
         request alike)."""
