@@ -64,6 +64,7 @@ class Record:
     created_s: float = field(default_factory=time.time)
     requested: bool = False
     dtype: torch.dtype | None = None
+    adapter_name: str | None = None  # of the adapter version (None: the shared one; alchemist.engine.sequence)
 
     def __post_init__(self) -> None:
         if self.dtype is None and self.layers and self.layers[0]:
@@ -107,8 +108,10 @@ class RecordBuilder:
         device: torch.device | str = "cpu",
         requested: bool = False,
         keep_outputs: bool = False,
+        adapter_name: str | None = None,
     ) -> None:
         self.record_id = record_id
+        self.adapter_name = adapter_name
         self.requested = requested
         self.prompt_ids = tuple(prompt_ids)
         self.adapter_version = adapter_version
@@ -182,6 +185,7 @@ class RecordBuilder:
             self.layers,
             requested=self.requested,
             dtype=self.dtype,
+            adapter_name=self.adapter_name,
         )
 
 

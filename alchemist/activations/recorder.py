@@ -9,6 +9,7 @@ prompt's prefill chunks only; when its prompt is complete the record goes to the
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,17 @@ from alchemist.config import RecordConfig
 from alchemist.model.attention import AttentionMetadata
 from alchemist.model.config import ModelConfig
 from alchemist.model.seam import Ops
+
+
+class Chunk(NamedTuple):
+    """What ``ops_for`` needs of the sequence behind one segment of a forward."""
+
+    request_id: str
+    prompt_ids: list[int]
+    recorded: bool  # the recording policy chose it
+    requested: bool  # the request asked to be recorded
+    adapter_name: str | None  # the adapter serving it (alchemist.engine.sequence)
+    adapter_version: int  # that adapter's version serving this forward
 
 
 class Recorder:
@@ -54,21 +66,18 @@ class Recorder:
     def ops_for(
         self,
         meta: AttentionMetadata,
-        chunks: list[tuple[str, list[int], bool, bool]],
-        adapter_version: int,
+        chunks: list[Chunk],
         inner: Ops,
     ) -> Ops:
         """Recording ops for this forward if any segment is a prompt chunk to record, else ``inner``.
 
-        ``chunks[i]`` describes ``meta.segments[i]``: (request id, prompt ids, whether it is recorded, whether the
-        request asked to be).
+        ``chunks[i]`` describes ``meta.segments[i]``.
         """
         targets: dict[int, RecordBuilder] = {}
         num_rows = sum(seg.length for seg in meta.segments)
-        for i, (seg, (request_id, prompt_ids, recorded, requested)) in enumerate(
-            zip(meta.segments, chunks, strict=True)
-        ):
-            if not recorded or seg.start >= len(prompt_ids):
+        for i, (seg, chunk) in enumerate(zip(meta.segments, chunks, strict=True)):
+            request_id, prompt_ids = chunk.request_id, chunk.prompt_ids
+            if not chunk.recorded or seg.start >= len(prompt_ids):
                 continue  # decode rows, and recomputed outputs after a preemption, are never recorded
             if seg.start == 0:  # a (re)started prefill: a fresh record
                 # The whole prompt in this forward, as most of its rows, in the record's dtype: keep the outputs.
@@ -80,12 +89,13 @@ class Recorder:
                 self._builders[request_id] = RecordBuilder(
                     request_id,
                     prompt_ids,
-                    adapter_version,
+                    chunk.adapter_version,
                     self.model_config,
                     self.dtype,
                     self.device,
-                    requested,
+                    chunk.requested,
                     keep_outputs=keep,
+                    adapter_name=chunk.adapter_name,
                 )
             builder = self._builders.get(request_id)
             if builder is not None:

@@ -56,14 +56,14 @@ class BlockManager:
         return bool(self._free_slots) and self._num_new_blocks(seq, num_tokens) <= len(self._free_blocks)
 
     def lookup(self, seq: Sequence, adapter_version: int) -> PrefixHit | None:
-        """The longest cached prefix of a waiting ``seq``'s tokens under ``adapter_version``; None when no lookup is
-        made: prefix caching is off, or ``seq`` is recorded (its record must hold every prompt row, so its prompt
-        is computed whole; docs/architecture.md)."""
+        """The longest cached prefix of a waiting ``seq``'s tokens under its adapter at ``adapter_version``; None
+        when no lookup is made: prefix caching is off, or ``seq`` is recorded (its record must hold every prompt
+        row, so its prompt is computed whole; docs/architecture.md)."""
         if self.prefix_cache is None or seq.record:
             return None
         # a routed request (resumed after preemption) computes its answer rows again: only its prompt may match
         tokens = seq.token_ids[: seq.num_prompt_tokens] if seq.routed else seq.token_ids
-        return self.prefix_cache.match(tokens, adapter_version, self._free_slots)
+        return self.prefix_cache.match(tokens, adapter_version, self._free_slots, seq.adapter_name)
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> int:
         """Reserves a slot and the blocks for ``seq``'s first ``num_tokens`` (the cached ones of ``hit`` included);

@@ -13,15 +13,23 @@ any other thread at the same time. They only validate and put the operation on a
 lock), which ``step()`` drains before it schedules; ``abort`` additionally applies it at once when no step is in
 progress, so a caller that is not stepping sees the slot and blocks freed on return.
 
-Adapters: ``set_adapter(adapter, version)`` (any thread) serves a LoRA adapter from the start of the next step,
-``set_adapter(None, 0)`` the base model again. It serves a frozen copy taken in the caller's thread, so the trainer
-may go on updating its own adapter in place; its merge into the weights is then made over the next steps, a layer
-per step (``alchemist.engine.merged_adapter``). The thread that steps the engine may instead make the merge itself,
-between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on training's time). A
-step never mixes two adapters. A request in flight at a swap continues with the new adapter from the next step, but
-its prompt record and its outputs' ``adapter_version`` keep the version its prefill started with (the oldest it saw;
-a preemption restarts the prefill, and the version). Prefix-cache blocks are keyed by that version
-(``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
+Adapters: ``set_adapter(adapter, version)`` (any thread) serves a LoRA adapter as the shared one from the start of
+the next step, ``set_adapter(None, 0)`` the base model again. It serves a frozen copy taken in the caller's thread,
+so the trainer may go on updating its own adapter in place; its merge into the weights is then made over the next
+steps, a layer per step (``alchemist.engine.merged_adapter``). The thread that steps the engine may instead make the
+merge itself, between its steps, before the swap: ``set_adapter_slices`` (the online trainer publishes so, on
+training's time). A request in flight at a swap continues with the new adapter from the next step, but its prompt
+record and its outputs' ``adapter_version`` keep the version its prefill started with (the oldest it saw; a
+preemption restarts the prefill, and the version). Prefix-cache blocks are keyed by the adapter's name and that
+version (``alchemist.engine.prefix_cache``), so none computed under one adapter serves another.
+
+Named adapters (an adapter per user or team): ``set_adapter(adapter, version, name="team-a")`` serves another
+adapter beside the shared one, under a name, from the next step (again: a new version; requests in flight continue
+with it), and ``remove_adapter(name)`` takes it away: requests that name it are refused from then on, and those
+already added finish with it. A request names its adapter (``add_request``'s ``adapter_name``): None, the shared
+one; ``BASE`` ("base"), the base model alone; else a name set, or ValueError. Named adapters are served as deltas,
+never merged; a step may hold rows of several adapters (``alchemist.engine.adapter_rows``), and one whose rows all
+have the same adapter runs as it did when the engine served one.
 
 Latency: each step's time teaches ``step_cost`` (``alchemist.engine.step_cost``); with a TPOT objective
 (``set_tpot_objective``, or ``EngineConfig.slo_tpot_s``) a step's prefill beside decodes is capped to what fits in it
@@ -52,7 +60,7 @@ from alchemist.engine.router import Router
 from alchemist.engine.runner import ModelRunner
 from alchemist.engine.sampler import Sampler
 from alchemist.engine.scheduler import ScheduledBatch, Scheduler
-from alchemist.engine.sequence import SamplingParams, Sequence
+from alchemist.engine.sequence import BASE, SamplingParams, Sequence
 from alchemist.engine.served_adapter import ServedAdapter
 from alchemist.engine.step_cost import StepCost
 from alchemist.engine.stop import StopChecker
@@ -77,8 +85,11 @@ class _Pending:
 
     adds: list[Sequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    # the latest set_adapter: (frozen copy, version, its merge if already made: set_adapter_slices)
-    adapter: tuple[ServedAdapter | None, int, MergedLinearOps | None] | None = None
+    # the latest set_adapter or remove_adapter per adapter name (None: the shared adapter): (frozen copy, version,
+    # its merge if already made: set_adapter_slices), or None for a removal
+    adapters: dict[str | None, tuple[ServedAdapter | None, int, MergedLinearOps | None] | None] = field(
+        default_factory=dict
+    )
 
 
 class LLMEngine:
@@ -116,6 +127,8 @@ class LLMEngine:
         self._lock = threading.Lock()  # guards _seqs and _pending: held briefly, never across a forward
         self._step_lock = threading.Lock()  # held while a step (or an abort applied at once) changes the queues
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step
+        self._names: dict[str, int] = {}  # named adapters a request may name now, with their versions (under _lock)
+        self._retiring: set[str] = set()  # named adapters removed that sequences still name
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_finished = 0
@@ -132,8 +145,11 @@ class LLMEngine:
 
     # --- requests (any thread) ------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request. ValueError (naming the field) if it can never run; QueueFullError when full."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter_name: str | None = None
+    ) -> None:
+        """Queues a request, served by the adapter ``adapter_name`` names (None: the shared one; ``BASE``: none).
+        ValueError (naming the field) if it can never run; QueueFullError when full."""
         max_tokens = self._check_request(request_id, prompt_ids, params)
         seq = Sequence(
             request_id,
@@ -143,9 +159,15 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids),
             arrival_s=time.monotonic(),
             device=self.model.device,
+            adapter_name=adapter_name,
         )
         seq.record = self.recorder is not None and self.recorder.wants(params.record)
         with self._lock:
+            if adapter_name not in (None, BASE) and adapter_name not in self._names:
+                raise ValueError(
+                    f"adapter_name {adapter_name!r} names no adapter (set: {sorted(self._names)}; None for the shared "
+                    f"one, {BASE!r} for the base model)"
+                )
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             if len(self._pending.adds) + len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -162,13 +184,43 @@ class LLMEngine:
             self._pending.aborts.append(request_id)
         self._apply_pending_if_idle()
 
-    def set_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
-        """Serves ``adapter`` (None: the base model) as ``version`` (0 for None, else >= 1) from the next step.
+    def set_adapter(self, adapter: LoraAdapter | None, version: int, name: str | None = None) -> None:
+        """Serves ``adapter`` (None: the base model) as ``version`` (0 for None, else >= 1) from the next step: as
+        the shared adapter (``name`` None), or under ``name`` (an adapter, not None: ``remove_adapter`` takes a
+        name away), which requests may name from now on.
 
         The copy is taken here, in the caller's thread: changes to ``adapter`` after this returns are not served.
         A version names one adapter's weights: keys/values cached under it (prefix caching) serve it again.
         """
-        self._queue_adapter(self._served(adapter, version), version, None)
+        if name is None:
+            self._queue_adapter(self._served(adapter, version), version, None)
+            return
+        if not isinstance(name, str) or not name or name == BASE:
+            raise ValueError(f"name must be a non-empty string other than {BASE!r}, or None (got {name!r})")
+        if adapter is None:
+            raise ValueError(f"adapter must be a LoraAdapter for a name (to take {name!r} away: remove_adapter)")
+        served = self._served(adapter, version)
+        with self._lock:
+            self._names[name] = version
+            self._pending.adapters[name] = (served, version, None)
+        self._apply_pending_if_idle()
+
+    def remove_adapter(self, name: str) -> None:
+        """Takes the adapter set under ``name`` away: requests that name it are refused from now on; those added
+        already finish with it (it is dropped when none is left). ValueError if no adapter has that name."""
+        with self._lock:
+            if not isinstance(name, str) or name not in self._names:
+                raise ValueError(f"name {name!r} names no adapter (set: {sorted(self._names)})")
+            del self._names[name]
+            self._pending.adapters[name] = None
+        self._apply_pending_if_idle()
+
+    @property
+    def named_adapters(self) -> dict[str, int]:
+        """The adapters requests may name now (``set_adapter``'s names, pending ones included), with their
+        versions."""
+        with self._lock:
+            return dict(self._names)
 
     def set_adapter_slices(self, adapter: LoraAdapter, version: int) -> Generator[None, None, None]:
         """``set_adapter`` for the thread that steps the engine, in slices: the merge into the weights is made here,
@@ -205,14 +257,14 @@ class LLMEngine:
 
     def _queue_adapter(self, served: ServedAdapter | None, version: int, merged: MergedLinearOps | None) -> None:
         with self._lock:
-            self._pending.adapter = (served, version, merged)
+            self._pending.adapters[None] = (served, version, merged)
         self._apply_pending_if_idle()
 
     @property
     def adapter_version(self) -> int:
-        """The version the next step serves (0: the base model)."""
+        """The version of the shared adapter the next step serves (0: the base model)."""
         with self._lock:
-            pending = self._pending.adapter
+            pending = self._pending.adapters.get(None)
         return pending[1] if pending is not None else self.runner.adapter_version
 
     def close(self) -> None:
@@ -297,7 +349,7 @@ class LLMEngine:
         with self._step_lock:
             self._apply_pending()
             cap = self._prefill_cap if self.tpot_objective_s is not None else None
-            batch = self.scheduler.schedule(time.monotonic(), self.runner.adapter_version, cap)
+            batch = self.scheduler.schedule(time.monotonic(), self.runner.version_of, cap)
             self.last_step = None
             if batch.is_empty:
                 return self._take_aborted()
@@ -320,12 +372,18 @@ class LLMEngine:
         budget_s = self.tpot_objective_s if decodes_s < self.tpot_objective_s else OVER_OBJECTIVE_STRETCH * decodes_s
         return self.step_cost.prefill_tokens_within(budget_s, num_decodes)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Runs prompts to completion (offline use, tests, benchmarks); final outputs in prompt order."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        adapter_name: str | None = None,
+    ) -> list[RequestOutput]:
+        """Runs prompts to completion (offline use, tests, benchmarks), each served by the adapter ``adapter_name``
+        names (``add_request``); final outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(request_id, prompt, p)
+            self.add_request(request_id, prompt, p, adapter_name)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             final.update((out.request_id, out) for out in self.step() if out.finished)
@@ -374,12 +432,25 @@ class LLMEngine:
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, _Pending()
-            if pending.adapter is not None:  # under the lock, so that adapter_version never goes back
-                self.runner.set_adapter(*pending.adapter)
+            for name, change in pending.adapters.items():  # under the lock, so that adapter_version never goes back
+                if name is None:
+                    assert change is not None
+                    self.runner.set_adapter(*change)
+                elif change is not None:
+                    self.runner.set_named(name, change[0], change[1])
+                    self._retiring.discard(name)
+                elif name in self.runner.named:
+                    self._retiring.add(name)
         for seq in pending.adds:
             # decided once, under the adapter its prefill starts with: its prompt rows are the same either way
-            seq.routed = self.router is not None and self.router.routes(seq.prompt_token_ids)
+            router = self._router_of(seq)
+            seq.routed = router is not None and router.routes(seq.prompt_token_ids)
             self.scheduler.add(seq)
+        if self._retiring:  # a removed adapter goes once no sequence names it
+            named = {seq.adapter_name for queue in (self.scheduler.waiting, self.scheduler.running) for seq in queue}
+            for name in self._retiring - named:
+                self.runner.set_named(name, None)
+            self._retiring &= named
         now = time.monotonic()
         for request_id in pending.aborts:
             with self._lock:
@@ -395,8 +466,15 @@ class LLMEngine:
 
     @property
     def router(self) -> Router | None:
-        """Which requests the corrections' ranks of the adapter serving now serve (None: every request alike)."""
+        """Which requests the corrections' ranks of the shared adapter serving now serve (None: every request
+        alike)."""
         return None if self.runner.adapter is None else self.runner.adapter.router
+
+    def _router_of(self, seq: Sequence) -> Router | None:
+        """The router of the adapter serving ``seq`` now: which requests its corrections' ranks serve (None: every
+        request alike)."""
+        served = self.runner.served(seq.adapter_name)
+        return None if served is None else served.router
 
     def _router(self, served: ServedAdapter) -> Router | None:
         """The router of an adapter whose corrections' ranks are cut (None: every request served alike)."""
@@ -417,7 +495,8 @@ class LLMEngine:
         now = time.monotonic()
         cache = self.block_manager.prefix_cache
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.advance(num, self.runner.adapter_version)
+            serving = self.runner.version_of(seq.adapter_name)
+            seq.advance(num, serving)
             if cache is not None:  # the full blocks just completed serve later prompts that start with them
                 assert seq.slot is not None
                 # a routed request's keys/values from its last prompt token on hold the corrections' ranks: never
@@ -425,7 +504,7 @@ class LLMEngine:
                 computed = seq.num_computed_tokens
                 if seq.routed:
                     computed = min(computed, seq.num_prompt_tokens - 1)
-                cache.register(seq.slot, seq.token_ids, computed, seq.adapter_version, self.runner.adapter_version)
+                cache.register(seq.slot, seq.token_ids, computed, seq.adapter_version, serving, seq.adapter_name)
         outputs = self._take_aborted()
         for seq, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
             if seq.first_token_s is None:
@@ -457,4 +536,5 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             logprobs=new_logprobs if seq.params.logprobs is not None else None,
             timings=RequestTimings.of(seq) if seq.is_finished else None,
+            adapter_name=seq.adapter_name,
         )

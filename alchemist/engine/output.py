@@ -46,6 +46,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for logprobs
     timings: RequestTimings | None  # when finished
+    adapter_name: str | None = None  # the adapter it named (None: the shared one; ``sequence.BASE``: none)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 As in vLLM, a full block of ``block_size`` tokens is named by a hash chained over every block before it,
 ``h_i = sha256(h_{i-1} + token ids of block i)``, so equal hashes mean equal tokens from position 0 on. The chain is
-seeded with the adapter version the blocks were computed under: a block computed under one version never serves
-another (vLLM issue 42125 is that bug, after an adapter reload).
+seeded with the adapter the blocks were computed under, its name and version (``_seed``): a block computed under
+one adapter never serves another (vLLM issue 42125 is that bug, after an adapter reload). Version 0 is the base
+model whatever the name (the shared adapter unset, or a request for ``BASE``), so those share their blocks.
 
 Our storage is per slot and contiguous (``KVCache``), so a cached block is not a page of its own: it is a position
 range of some slot whose keys/values are still valid. This class knows, per slot, the chain of hashes valid there
@@ -30,22 +31,26 @@ class PrefixHit:
     hashes: tuple[bytes, ...]  # the matched blocks' hashes, in order
 
 
-def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, version: int) -> list[bytes]:
-    """The hashes of the first ``num_blocks`` full blocks of ``token_ids``, chained from ``version``."""
-    return _extend([], token_ids, block_size, num_blocks, version)
+def chain_hashes(
+    token_ids: list[int], block_size: int, num_blocks: int, version: int, adapter_name: str | None = None
+) -> list[bytes]:
+    """The hashes of the first ``num_blocks`` full blocks of ``token_ids``, chained from the adapter's seed."""
+    return _extend([], token_ids, block_size, num_blocks, _seed(version, adapter_name))
 
 
-def _extend(chain: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, version: int) -> list[bytes]:
+def _extend(chain: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, seed: bytes) -> list[bytes]:
     """``chain`` (the hashes of the first blocks) extended in place to ``num_blocks`` hashes."""
     for i in range(len(chain), num_blocks):
-        chain.append(
-            _block_hash(chain[-1] if chain else _seed(version), token_ids[i * block_size : (i + 1) * block_size])
-        )
+        chain.append(_block_hash(chain[-1] if chain else seed, token_ids[i * block_size : (i + 1) * block_size]))
     return chain
 
 
-def _seed(version: int) -> bytes:
-    return version.to_bytes(8, "little")
+def _seed(version: int, adapter_name: str | None) -> bytes:
+    """The chain's seed for blocks computed under adapter ``adapter_name`` (None: the shared one) at ``version``:
+    the version alone for the shared adapter and for the base model (version 0, any name), as before names
+    existed; a named adapter's name after it (8 bytes and more: never another's seed)."""
+    seed = version.to_bytes(8, "little")
+    return seed if version == 0 or adapter_name is None else seed + b"\0" + adapter_name.encode()
 
 
 def _block_hash(prev: bytes, block: list[int]) -> bytes:
@@ -66,15 +71,19 @@ class PrefixCache:
     def num_cached_blocks(self, slot: int) -> int:
         return len(self._chains[slot])
 
-    def match(self, token_ids: list[int], version: int, free_slots: set[int]) -> PrefixHit:
-        """The longest run of ``token_ids``' full blocks cached under ``version``, leaving at least one token to
-        compute (the last one's logits are needed); among slots holding it, a free one if any (no copy)."""
+    def match(
+        self, token_ids: list[int], version: int, free_slots: set[int], adapter_name: str | None = None
+    ) -> PrefixHit:
+        """The longest run of ``token_ids``' full blocks cached under adapter ``adapter_name`` at ``version``,
+        leaving at least one token to compute (the last one's logits are needed); among slots holding it, a free
+        one if any (no copy)."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         bs = self.block_size
+        seed = _seed(version, adapter_name)
         hashes: list[bytes] = []
         slots: set[int] = set()
         for i in range(max_blocks):  # hash by hash: the first miss ends the walk
-            h = _block_hash(hashes[-1] if hashes else _seed(version), token_ids[i * bs : (i + 1) * bs])
+            h = _block_hash(hashes[-1] if hashes else seed, token_ids[i * bs : (i + 1) * bs])
             holders = self._index.get(h)
             if not holders:
                 break
@@ -108,10 +117,19 @@ class PrefixCache:
         self._frozen.discard(slot)
         self._touch(slot)
 
-    def register(self, slot: int, token_ids: list[int], num_computed: int, version: int, serving: int) -> None:
-        """The sequence in ``slot``, prefilled under adapter ``version``, has ``num_computed`` tokens' keys/values in
-        place: its full blocks among them become cached. Once the adapter served (``serving``) differs from its own,
-        its later keys/values mix versions, so nothing more of it is registered."""
+    def register(
+        self,
+        slot: int,
+        token_ids: list[int],
+        num_computed: int,
+        version: int,
+        serving: int,
+        adapter_name: str | None = None,
+    ) -> None:
+        """The sequence in ``slot``, prefilled under adapter ``adapter_name`` at ``version``, has ``num_computed``
+        tokens' keys/values in place: its full blocks among them become cached. Once its adapter's version served
+        (``serving``) differs from its own, its later keys/values mix versions, so nothing more of it is
+        registered."""
         if slot in self._frozen:
             return
         if serving != version:
@@ -121,7 +139,7 @@ class PrefixCache:
         num_old, num_full = len(chain), num_computed // self.block_size
         if num_full <= num_old:
             return  # most steps: a decode token that completes no block
-        for h in _extend(chain, token_ids, self.block_size, num_full, version)[num_old:]:
+        for h in _extend(chain, token_ids, self.block_size, num_full, _seed(version, adapter_name))[num_old:]:
             self._index.setdefault(h, set()).add(slot)
         self._touch(slot)
 

@@ -6,23 +6,28 @@ head runs only on rows whose next token is wanted (the last token of each sequen
 tokens): on a 512-token prefill chunk that is one row of 49152 logits instead of 512.
 
 The runner owns the KV cache storage: ``max_num_seqs`` slots of ``max_model_len`` tokens, contiguous per slot.
-It also holds the LoRA adapter being served (a ``ServedAdapter``, or None for the base model). A forward that
-records adds its delta after the seam's base linear (``Llama.project``), so the records hold base outputs; every
-other forward (every decode) projects with the adapter merged into the weights (``MergedLinearOps``), once the
-merge, one layer per step after a swap, is complete.
+It also holds the LoRA adapters being served (``ServedAdapter``s): the shared one (None for the base model), and
+others by name (``named``); each sequence names the one serving it (``alchemist.engine.sequence``). A step whose
+rows all have the same adapter runs as with that adapter alone: a forward that records adds its delta after the
+seam's base linear (``Llama.project``), so the records hold base outputs; every other forward (every decode) of
+the shared adapter projects with it merged into the weights (``MergedLinearOps``), once the merge, one layer per
+step after a swap, is complete. Only the shared adapter is merged (a merge is a copy of the targeted projections);
+a named adapter adds its delta. A step whose rows have several adapters (the base model counted as one) projects
+with the base weights and adds each adapter's delta on its own rows (``alchemist.engine.adapter_rows``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from alchemist.activations.recorder import Recorder
+from alchemist.activations.recorder import Chunk, Recorder
 from alchemist.config import EngineConfig
+from alchemist.engine.adapter_rows import AdapterRows
 from alchemist.engine.compiled_decode import CompiledDecode
 from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
 from alchemist.engine.scheduler import ScheduledBatch
-from alchemist.engine.sequence import Sequence
+from alchemist.engine.sequence import BASE, Sequence
 from alchemist.engine.served_adapter import AnswerRows, RowScope, ServedAdapter
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment, decode_kernel_applies
 from alchemist.model.llama import Adapter, Llama, rms_norm
@@ -38,6 +43,9 @@ class ModelRunner:
         self.adapter: ServedAdapter | None = None  # the adapter served (None: the base model), as a delta
         self.merged: MergedLinearOps | None = None  # the same adapter merged into the weights, layer by layer
         self.adapter_version = 0  # of the adapter serving now (0: none); records and outputs carry it
+        self.named: dict[str, tuple[ServedAdapter, int]] = {}  # the adapters served by name, with their versions
+        self.num_merged_steps = 0  # forwards that projected with the merged weights (tests, profiles)
+        self.num_mixed_steps = 0  # forwards whose rows had several adapters (tests, profiles)
         c = model.config
         self.cache = KVCache(
             c.num_layers,
@@ -75,6 +83,26 @@ class ModelRunner:
         self.adapter_version = version
         self.merged = merged if merged is not None or adapter is None else self.new_merge(adapter)
 
+    def set_named(self, name: str, adapter: ServedAdapter | None, version: int = 0) -> None:
+        """Serves ``adapter`` as ``version`` under ``name`` from the next forward on (None: takes ``name`` away, once
+        no sequence names it); the engine calls it between steps only."""
+        if adapter is None:
+            del self.named[name]
+        else:
+            self.named[name] = (adapter, version)
+
+    def served(self, name: str | None) -> ServedAdapter | None:
+        """The adapter serving the sequences that name ``name`` (None: the base model)."""
+        if name is None:
+            return self.adapter
+        return None if name == BASE else self.named[name][0]
+
+    def version_of(self, name: str | None) -> int:
+        """The version of the adapter serving the sequences that name ``name`` (0: the base model)."""
+        if name is None:
+            return self.adapter_version
+        return 0 if name == BASE else self.named[name][1]
+
     def new_merge(self, adapter: ServedAdapter) -> MergedLinearOps | None:
         """A merge of ``adapter`` into this runner's base weights, none of its layers merged yet (None if the
         config turns merging off)."""
@@ -88,8 +116,12 @@ class ModelRunner:
         rows out of the batch by its segment), else plain compute. Decode rows are never recorded."""
         if self.recorder is None:
             return self.ops
-        chunks = [(seq.request_id, seq.prompt_token_ids, seq.record, seq.params.record) for seq in batch.seqs]
-        return self.recorder.ops_for(meta, chunks, self.adapter_version, self.ops)
+        chunks = [
+            Chunk(seq.request_id, seq.prompt_token_ids, seq.record, seq.params.record, seq.adapter_name,
+                  self.version_of(seq.adapter_name))
+            for seq in batch.seqs
+        ]  # fmt: skip
+        return self.recorder.ops_for(meta, chunks, self.ops)
 
     @torch.inference_mode()
     def copy_prefixes(self, batch: ScheduledBatch) -> None:
@@ -124,16 +156,14 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # (T,)
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
-        adapter: Adapter | None = self.adapter
-        # the corrections' ranks act on the answer rows of routed requests only (found in Python: no device sync)
-        answer = self.answer_rows(batch) if self.adapter is not None and self.adapter.cut else None
-        if ops is self.ops and self.merged is not None and self.merged.complete:  # nothing records: merged weights
-            ops, adapter = self.merged, None
-            if answer:  # the merge leaves the corrections' ranks out: their delta on these rows alone
-                rows = torch.tensor(answer, dtype=torch.long, device=device)
-                adapter = AnswerRows(self.adapter, rows)  # type: ignore[arg-type]
-        elif answer is not None:
-            adapter = RowScope(self.adapter, answer, len(ids))  # type: ignore[arg-type]
+        served = [self.served(seq.adapter_name) for seq in batch.seqs]
+        # Rows of several adapters: the base weights and each adapter's delta on its rows, eager (the compiled step
+        # takes one set of weights, and its graph no per-row deltas).
+        if any(a is not served[0] for a in served):
+            adapter: Adapter | None = AdapterRows.of(served, batch.num_tokens, self.answer_rows(batch), device)
+            self.num_mixed_steps += 1
+        else:
+            ops, adapter = self.one_adapter(batch, served[0], ops, len(ids))
         if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None:  # records nothing
             if meta.all_decode:
                 slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
@@ -149,6 +179,25 @@ class ModelRunner:
         if len(sample_rows) != len(ids):
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]  # (S, d)
         return self.logits(hidden), sampling
+
+    def one_adapter(
+        self, batch: ScheduledBatch, served: ServedAdapter | None, ops: Ops, num_rows: int
+    ) -> tuple[Ops, Adapter | None]:
+        """The ops and adapter of a forward whose every row ``served`` serves (None: the base model), ``ops`` being
+        the base or recording ones: the shared adapter's merge where it is complete and nothing records, else its
+        delta."""
+        merged = self.merged if served is self.adapter else None
+        # the corrections' ranks act on the answer rows of routed requests only (found in Python: no device sync)
+        answer = self.answer_rows(batch) if served is not None and served.cut else None
+        if ops is self.ops and merged is not None and merged.complete:  # nothing records: merged weights
+            self.num_merged_steps += 1
+            if answer:  # the merge leaves the corrections' ranks out: their delta on these rows alone
+                rows = torch.tensor(answer, dtype=torch.long, device=self.model.device)
+                return merged, AnswerRows(served, rows)  # type: ignore[arg-type]
+            return merged, None
+        if answer is not None:
+            return ops, RowScope(served, answer, num_rows)  # type: ignore[arg-type]
+        return ops, served
 
     @staticmethod
     def answer_rows(batch: ScheduledBatch) -> list[int]:

@@ -6,7 +6,7 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and fills it in thi
 2. running sequences part-way through a prefill, as large a chunk as the budget leaves;
 3. waiting sequences, first come first served, while a slot, budget, and free blocks for their whole prompt remain
    (blocks are taken chunk by chunk as the prompt is computed). With prefix caching a sequence starts after the
-   longest prefix of its tokens cached under the adapter served (``alchemist.engine.prefix_cache``); when those
+   longest prefix of its tokens cached under the adapter serving it (``alchemist.engine.prefix_cache``); when those
    keys/values sit in a slot that another sequence holds, the batch names a copy for the runner to make first.
 
 When the block pool cannot hold a running sequence's next tokens, the newest running sequence is preempted: its
@@ -78,10 +78,14 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def schedule(
-        self, now_s: float, adapter_version: int = 0, prefill_cap: Callable[[int], int | None] | None = None
+        self,
+        now_s: float,
+        version_of: Callable[[str | None], int] | None = None,
+        prefill_cap: Callable[[int], int | None] | None = None,
     ) -> ScheduledBatch:
-        """The next batch; ``adapter_version`` is the adapter its forward serves (the key of prefix-cache
-        lookups). ``prefill_cap(num_decodes)``: the most prefill tokens a step beside that many decodes may take
+        """The next batch; ``version_of(adapter_name)`` is the version of the adapter its forward serves to the
+        sequences that name it (with the name, the key of prefix-cache lookups; None: the base model for all).
+        ``prefill_cap(num_decodes)``: the most prefill tokens a step beside that many decodes may take
         (None: the whole budget; the engine's, from the latency objective): it binds only while decodes run, and
         never below ``MIN_PREFILL_TOKENS``."""
         chosen: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefill chunks
@@ -96,7 +100,7 @@ class Scheduler:
         self._schedule_running(prefilling, decoding, max_prefill, chosen, preempted)
         copies: list[tuple[int, int, int]] = []
         if not preempted:  # admitting now would only feed the next preemption
-            self._admit(self._room(chosen, decoding, max_prefill), chosen, copies, now_s, adapter_version)
+            self._admit(self._room(chosen, decoding, max_prefill), chosen, copies, now_s, version_of)
         self.num_preemptions += len(preempted)
         return ScheduledBatch(list(chosen), list(chosen.values()), preempted, copies)
 
@@ -150,7 +154,7 @@ class Scheduler:
         chosen: dict[Sequence, int],
         copies: list[tuple[int, int, int]],
         now_s: float,
-        adapter_version: int,
+        version_of: Callable[[str | None], int] | None,
     ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -161,6 +165,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, seq.num_uncomputed_tokens):
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            adapter_version = version_of(seq.adapter_name) if version_of is not None else 0
             hit = self.block_manager.lookup(seq, adapter_version)
             num_cached = hit.num_tokens if hit is not None else 0
             num = min(seq.num_tokens - num_cached, budget)

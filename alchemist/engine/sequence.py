@@ -7,6 +7,10 @@ that reaches the end of the list, samples a token. A sequence admitted on a pref
 cached tokens. A preempted sequence restarts at 0 (or at a hit) and so recomputes its prompt and the outputs so
 far, then continues where it stopped.
 
+A sequence names the adapter that serves it (``adapter_name``): None, the shared adapter (whichever is set, the base
+model if none); ``BASE``, the base model whatever is set; any other name, an adapter the engine holds by that name
+(``LLMEngine.set_adapter``). Its ``adapter_version`` is that adapter's version when its prefill started.
+
 State changes go through the named methods below (``admit``, ``advance``, ``append_token``, ``preempt``,
 ``finish``); the scheduler and block manager call them, nothing else writes the fields.
 """
@@ -23,6 +27,8 @@ from alchemist.model.tokenizer import IncrementalDetokenizer
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 SEED_MODULUS = 1 << 64  # torch.Generator seeds are 64-bit; any int seed maps onto one
+# The adapter name a request gives to be served by the base model alone (no adapter may be set under it).
+BASE = "base"
 
 
 @dataclass
@@ -111,6 +117,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         arrival_s: float,
         device: torch.device,
+        adapter_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
@@ -124,7 +131,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.record = False  # record the prompt's prefill activations (the engine's recording policy decides)
         self.routed = False  # served the corrections' ranks (alchemist.engine.router decides, at arrival)
-        self.adapter_version = 0  # the adapter its prefill (the latest, after a preemption) started with
+        self.adapter_name = adapter_name  # the adapter serving it: None the shared one, BASE none, else by name
+        self.adapter_version = 0  # of that adapter when its prefill (the latest, after a preemption) started
         self.finish_reason: str | None = None
         # Sampling state: one generator per request so its draws do not depend on its batch neighbours.
         self.generator: torch.Generator | None = None

@@ -1,4 +1,4 @@
-"""The prefix cache on its own (no model): chained block hashes keyed by adapter version, longest match, slots
+"""The prefix cache on its own (no model): chained block hashes keyed by adapter name and version, longest match, slots
 invalidated when reused, least recently used free slot first; the block manager's choice of slot with it; and, on
 the tiny model, a multi-turn follow-up served from its previous turn's blocks (generated tokens included)."""
 
@@ -42,6 +42,18 @@ def test_blocks_serve_only_the_adapter_version_they_were_computed_under():
     assert cache.match(A + [1], version=4, free_slots={0, 1}).num_tokens == 0
     assert cache.match(A + [1], version=0, free_slots={0, 1}).num_tokens == 0
     assert cache.match(A + [1], version=3, free_slots={0, 1}).num_tokens == 20
+
+
+def test_blocks_serve_only_the_adapter_name_they_were_computed_under():
+    cache = PrefixCache(num_slots=3, block_size=BS)
+    cache.register(0, A, 20, version=3, serving=3, adapter_name="team-a")
+    cache.register(1, A[:8], 8, version=0, serving=0, adapter_name="base")
+    assert cache.match(A + [1], version=3, free_slots={0, 1, 2}).num_tokens == 0  # the shared adapter's version 3
+    assert cache.match(A + [1], version=3, free_slots={0, 1, 2}, adapter_name="team-b").num_tokens == 0
+    assert cache.match(A + [1], version=3, free_slots={0, 1, 2}, adapter_name="team-a").num_tokens == 20
+    # version 0 is the base model whatever the name: the shared adapter unset and "base" share their blocks
+    assert cache.match(A, version=0, free_slots={0, 1, 2}).num_tokens == 8
+    assert chain_hashes(A, BS, 2, version=2) != chain_hashes(A, BS, 2, version=2, adapter_name="")
 
 
 def test_a_sequence_stops_registering_once_the_served_version_changes():
