@@ -275,6 +275,26 @@ class Lineage:
     def kept(self, version: int) -> bool:
         return version == 0 or version in {v.version for v in self.checkpoints.versions()}
 
+    def rollback_asked(self) -> int | None:
+        """The oldest rollback asked for, if its version is still kept (else its asker learns it: KeyError, and the
+        next one's is looked at); it stays asked until ``rollback_done``. In lockstep (``roll_back_next`` alone)."""
+        while self._rollbacks:
+            version, done = self._rollbacks[0]
+            if self.kept(version):
+                return version
+            with self._rollbacks_lock:
+                self._rollbacks.pop(0)
+            if done.set_running_or_notify_cancel():
+                done.set_exception(KeyError(version))
+        return None
+
+    def rollback_done(self, version: int) -> None:
+        """The oldest rollback asked for was made, as ``version``: its asker learns it."""
+        with self._rollbacks_lock:
+            _, done = self._rollbacks.pop(0)
+        if done.set_running_or_notify_cancel():
+            done.set_result(version)
+
     def roll_back_next(self) -> None:
         """The oldest rollback asked for, in the slices' thread, between batches."""
         with self._rollbacks_lock:
@@ -284,13 +304,13 @@ class Lineage:
         try:
             if not self.kept(version):  # the last batch's checkpoint pushed it out (keep_versions)
                 raise KeyError(version)
-            self._serve_again(version, {"rollback_of": version})
+            self.serve_again(version, {"rollback_of": version})
         except Exception as e:  # the asker learns it (a 404, a 500); training goes on
             done.set_exception(e)
         else:
             done.set_result(self.version)
 
-    def _serve_again(self, version: int, metrics: dict) -> int:
+    def serve_again(self, version: int, metrics: dict) -> int:
         """Between batches: ``version``'s weights (0: the base model's) become a new version that serves."""
         self.queue.changed()
         newest = max([self.version, *(v.version for v in self.checkpoints.versions())])
@@ -316,7 +336,7 @@ class Lineage:
         found = find_regression(self._served_in_turn(), ratings_by_version(self.log.ratings(), per_key), self.watch)
         if found is None or not self.kept(found.target):
             return
-        version = self._serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})
+        version = self.serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})
         logger.warning("adapter version %d serves version %d again: %s", version, found.target, found.reason)
 
     def _served_in_turn(self) -> list[int]:

@@ -18,7 +18,8 @@ what one replica sees is taken here from all of them, with one small all-reduce 
   serves every replica's corrections to the requests like their prompts (alchemist.engine.router), not only its
   own;
 - the evaluation gate runs on the leader (rank 0), whose verdict every replica follows; the leader alone rehearses
-  (its rehearsal set is read from the shared log, the same on every replica).
+  (its rehearsal set is read from the shared log, the same on every replica);
+- a rollback asked of any replica is made by all, at a round's start.
 
 A replica's own entries, records, anchors and checkpoint stay its own; its adapter and optimizer state are the
 others' exactly, version for version (``DataParallel.count_slices`` refuses a step of replicas out of lockstep).
@@ -98,15 +99,16 @@ class Lockstep:
     def start_round(self) -> None:
         self._last_round = time.monotonic()
 
-    def round_slices(self, ready: bool) -> Generator[None, None, bool]:
-        """A round's start, on every member: whether any has a batch ready. If any has seen a newer generation,
-        none starts a batch: they all leave for it (``joined`` False; ``form_slices`` next)."""
+    def round_slices(self, ready: bool, rollback: bool) -> Generator[None, None, tuple[bool, bool]]:
+        """A round's start, on every member: whether any has a batch ``ready``, and whether any was asked a
+        ``rollback`` (then that comes first). If any has seen a newer generation, neither: they all leave for it
+        (``joined`` False; ``form_slices`` next)."""
         newer = self.generations is not None and self.generations.latest() > self.generation
-        busy, leave = yield from self.sum_slices([float(ready), float(newer)])
+        busy, rollbacks, leave = yield from self.sum_slices([float(ready), float(rollback), float(newer)])
         if leave:
             self.joined = False
-            return False
-        return busy > 0
+            return False, False
+        return busy > 0, rollbacks > 0
 
     def form_slices(self) -> Generator[None, None, bool]:
         """Forms the newest generation's group if this replica is a member (in a thread: the others may take a

@@ -180,9 +180,8 @@ class OnlineTrainer:
 
         A batch in training is finished first (published and checkpointed, so its feedback counts as trained and
         its version stays a rollback target), and no new one starts meanwhile: dropping it instead would lose its
-        work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time."""
-        if self.lockstep is not None:  # every replica would have to roll back at the same point of its loop
-            raise ValueError("rollback is not available while replicas train in lockstep (not built yet)")
+        work, and rollbacks quicker than a batch would stop training altogether. So this may wait a batch's time.
+        In lockstep every replica rolls back, at the next round (``_rollback_slices``)."""
         return self.lineage.rollback(version)
 
     # --- the step loop's interface -------------------------------------------------------------------------------
@@ -193,12 +192,14 @@ class OnlineTrainer:
         return self._job is not None
 
     def has_work(self) -> bool:
-        if self._job is not None or self.lineage.rollbacks_asked:
+        if self._job is not None:
+            return True
+        if self.lockstep is not None:  # a round with the others (or a new group) is due, batch or rollback or not
+            return self.lockstep.due()
+        if self.lineage.rollbacks_asked:
             return True
         if not self.config.enabled:
             return False
-        if self.lockstep is not None:  # a round with the others (or a new group) is due, batch or not
-            return self.lockstep.due()
         return self._batch_ready()
 
     def _batch_ready(self) -> bool:
@@ -214,7 +215,7 @@ class OnlineTrainer:
         """One slice of training work, or a rollback asked for; returns the seconds it took. Call it from the
         thread that steps the engine, between its steps."""
         t0 = time.perf_counter()
-        if self._job is None and self.lineage.rollbacks_asked:
+        if self._job is None and self.lockstep is None and self.lineage.rollbacks_asked:
             self.lineage.roll_back_next()
             return time.perf_counter() - t0  # serving's time share counts it; training's seconds do not
         if not self.has_work():
@@ -244,12 +245,32 @@ class OnlineTrainer:
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
     def _round_slices(self) -> Generator[None, None, None]:
-        """A round of the replicas in lockstep: a batch if any of them has one ready, each with its own (maybe
-        none). (Regressions are not watched in lockstep: a rollback is not built there yet.)"""
+        """A round of the replicas in lockstep: a rollback if any of them was asked one, else a batch if any has
+        one ready, each with its own (maybe none). (Regressions are not watched in lockstep: not built yet.)"""
         assert self.lockstep is not None
         ready = self._batch_ready()
-        if (yield from self.lockstep.round_slices(ready)):
+        busy, rollback = yield from self.lockstep.round_slices(ready, self.lineage.rollbacks_asked)
+        if rollback:
+            yield from self._rollback_slices()
+        elif busy:
             yield from self._train_slices(self.queue.head() if ready else [])
+
+    def _rollback_slices(self) -> Generator[None, None, None]:
+        """A rollback in lockstep: the first rank's asked for, on every replica that keeps that version; one that
+        does not (it joined later) takes the new version from one that does (``catch_up_slices``)."""
+        assert self.lockstep is not None
+        asked = self.lineage.rollback_asked()  # this replica's oldest, if still kept
+        proposals = yield from self.lockstep.gather_slices(asked)
+        version = next((v for v in proposals if v is not None), None)
+        if version is None:  # the versions asked for were pushed out meanwhile (their askers were told)
+            return
+        if self.lineage.kept(version):
+            self.lineage.serve_again(version, {"rollback_of": version})
+        state = yield from self.lockstep.catch_up_slices(self.version, self.lineage.state)
+        if state is not None:
+            yield from self.lineage.adopt_slices(state)  # type: ignore[arg-type]
+        if asked == version and proposals.index(version) == self.lockstep.data_parallel.rank:
+            self.lineage.rollback_done(self.version)
 
     def _regroup_slices(self) -> Generator[None, None, None]:
         """Into the newest generation's group of replicas (``alchemist.training.lockstep``), and, behind the member

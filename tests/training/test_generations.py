@@ -4,7 +4,7 @@ of their corrections together; replica 1 then dies (``os._exit``, between rounds
 fails, and it trains on alone in the generation published without the dead one; a new replica 1 with no checkpoint
 joins the next generation and catches up (the adapter and optimizer state of replica 0's version); a second batch
 of corrections, logged on both, trains in lockstep again. Both then hold one process's adapter after the same two
-batches, and each other's bitwise."""
+batches, and each other's bitwise; a rollback asked of one replica is made by both."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ def _replica(index: int, phase: str, address: str, model_dir: str, out_dir: str)
     side.log([(i, pairs[i]) for i in SECOND[index]])
     side.train_until_idle()
     torch.save(side.seen(), Path(out_dir) / f"{phase}{index}.pt")
+    # A rollback asked of replica 0 (version 3: batch one's) is made by both, at their next round.
+    asked = side.trainer.rollback(3) if index == 0 else None
+    while side.trainer.version != 7 or side.trainer.in_batch or asked is not None and not asked.done():
+        side.trainer.run_slice()
+    assert asked is None or asked.result() == 7
+    torch.save(side.seen(), Path(out_dir) / f"rolled-back{index}.pt")
 
 
 def test_a_replica_that_died_is_replaced_and_the_group_trains_on_from_its_version(tmp_path, tiny_dirs):
@@ -89,3 +95,9 @@ def test_a_replica_that_died_is_replaced_and_the_group_trains_on_from_its_versio
     for name, value in want["adapter"].items():
         assert torch.equal(seen[0]["adapter"][name], seen[1]["adapter"][name]), name
         torch.testing.assert_close(seen[0]["adapter"][name], value, rtol=0, atol=6e-5, msg=name)
+    # The rollback reached both: version 7 serves version 3's weights (the new replica's from the state it took).
+    for index in (0, 1):
+        rolled_back = torch.load(tmp_path / f"rolled-back{index}.pt", weights_only=False)
+        assert rolled_back["version"] == rolled_back["served"] == 7
+        for name, value in first["adapter"].items():
+            assert torch.equal(rolled_back["adapter"][name], value), (index, name)
