@@ -140,20 +140,27 @@ def _online(bsub: argparse._SubParsersAction) -> None:
         "--help); here their defaults are serve's but --max-num-seqs 16 --record-budget-mb 4096 --train-max-wait-s 5.",
     )  # fmt: skip
     p.add_argument("--runs", nargs="+", default=["off", "replay", "recompute"])
+    _workload_flags(p, rate=0.4, max_tokens=128, feedback_fraction=0.5, feedback="correction", drain_s=180.0)
+    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
+    p.set_defaults(func=_runs("online"), serve_base=online_servers)
+
+
+def _workload_flags(
+    p: argparse.ArgumentParser, rate: float, max_tokens: int, feedback_fraction: float, feedback: str, drain_s: float
+) -> None:
+    """`bench online`'s workload (and `bench scale`'s, with its own defaults): ShareGPT requests with feedback."""
     p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--request-rate", type=float, default=0.4, help="requests per second (Poisson arrivals)")
+    p.add_argument("--request-rate", type=float, default=rate, help="requests per second (Poisson arrivals)")
     p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
     p.add_argument("--max-prompt-tokens", type=int, default=768)
-    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens and on corrections")
-    p.add_argument("--feedback-fraction", type=float, default=0.5, help="responses that get feedback")
-    p.add_argument("--feedback", default="correction", choices=["correction", "rating", "fact"],
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="cap on output tokens and on corrections")
+    p.add_argument("--feedback-fraction", type=float, default=feedback_fraction, help="responses that get feedback")
+    p.add_argument("--feedback", default=feedback, choices=["correction", "rating", "fact"],
                    help="correction: the reference reply; rating: a thumbs-up; fact: the request asks an invented "
                    "fact instead, corrected with it")  # fmt: skip
-    p.add_argument("--drain-s", type=float, default=180.0, help="after the load, training may finish for this long")
-    p.add_argument("--backlog-interval-s", type=float, default=5.0, help="how often the feedback backlog is sampled")
+    p.add_argument("--drain-s", type=float, default=drain_s, help="after the load, training may finish for this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_runs("online"), serve_base=online_servers)
 
 
 def _learn(bsub: argparse._SubParsersAction) -> None:
@@ -287,15 +294,5 @@ def _scale(bsub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--replica-counts", dest="replicas", type=int, nargs="+", default=[1, 2],
                    help="replicas of each run (one run per count, the machine's cores split between them)")  # fmt: skip
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--request-rate", type=float, default=1.0, help="requests per second (Poisson arrivals)")
-    p.add_argument("--mode", default="multi_turn", choices=["multi_turn", "first_turn"], help="ShareGPT prompts")
-    p.add_argument("--max-prompt-tokens", type=int, default=768)
-    p.add_argument("--max-tokens", type=int, default=96, help="cap on output tokens")
-    p.add_argument("--feedback-fraction", type=float, default=0.25, help="responses that get feedback")
-    p.add_argument("--feedback", default="fact", choices=["correction", "rating", "fact"],
-                   help="as `bench online`'s (fact: the request asks an invented fact, corrected with it)")  # fmt: skip
-    p.add_argument("--drain-s", type=float, default=300.0, help="after the load, training may finish for this long")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    _workload_flags(p, rate=1.0, max_tokens=96, feedback_fraction=0.25, feedback="fact", drain_s=300.0)
     p.set_defaults(func=_runs("scale"), serve_base=online_servers)

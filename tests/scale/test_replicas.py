@@ -8,52 +8,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from alchemist.bench.serving import stop_process
 from alchemist.scale.replica import replica_of
-from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
+from tests.scale.helpers import replicas, running_front, wait_replicas
+from tests.server.conftest import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
-START_TIMEOUT_S = 240.0
-
-
-def replicas(front: ServerProcess) -> list[dict]:
-    return httpx.get(front.base_url + "/v1/replicas", headers=front.headers, timeout=10).json()["data"]
-
-
-def wait_replicas(front: ServerProcess, ready: int, timeout_s: float = START_TIMEOUT_S, changed_pid: int = 0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if front.process.poll() is not None:
-            raise RuntimeError(f"front exited with {front.process.returncode}:\n{front.log_path.read_text()}")
-        try:
-            states = replicas(front)
-        except httpx.TransportError:
-            states = []
-        if sum(r["state"] == "ready" and r["pid"] != changed_pid for r in states) >= ready:
-            return states
-        time.sleep(0.5)
-    raise AssertionError(f"{ready} replicas not ready after {timeout_s} s: {states}\n{front.log_path.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def front(tmp_path_factory, postgres_server, ray_address):
-    tmp = tmp_path_factory.mktemp("replicas")
-    flags = ["--replicas", "2", "--ray-address", ray_address, "--feedback-db", postgres_server.fresh_database(),
-             "--no-train", "--max-num-seqs", "4", "--max-model-len", "512"]  # fmt: skip
-    front = launch_server("front", tmp, tmp / "data", flags)
-    try:
-        wait_ready(front)
-        wait_replicas(front, 2)
+    flags = ["--no-train", "--max-num-seqs", "4", "--max-model-len", "512"]
+    with running_front(tmp_path_factory.mktemp("replicas"), postgres_server.fresh_database(), ray_address,
+                       flags) as front:  # fmt: skip
         yield front
-    finally:
-        stop_process(front.process)
 
 
 def chat(front: ServerProcess, question: str, max_tokens: int = 8) -> dict:

@@ -14,10 +14,9 @@ import httpx
 import pytest
 
 from alchemist.bench.facts import FACTS, is_known
-from alchemist.bench.serving import stop_process
 from alchemist.scale.replica import replica_of
-from tests.scale.test_replicas import START_TIMEOUT_S, replicas, wait_replicas
-from tests.server.conftest import MODEL_NAME, launch_server, wait_ready
+from tests.scale.helpers import replicas, running_front, wait_replicas, wait_training
+from tests.server.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
@@ -26,29 +25,10 @@ TRAIN_TIMEOUT_S = 900.0
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory, postgres_server, ray_address):
-    tmp = tmp_path_factory.mktemp("replicas-train")
-    flags = ["--replicas", "2", "--ray-address", ray_address, "--feedback-db", postgres_server.fresh_database(),
-             "--max-num-seqs", "4", "--max-model-len", "512"]  # fmt: skip
-    front = launch_server("front", tmp, tmp / "data", flags, dtype="auto")  # bf16 where fast: the defaults
-    try:
-        wait_ready(front)
-        wait_replicas(front, 2)
-        wait_training(front)
+    flags = ["--max-num-seqs", "4", "--max-model-len", "512"]
+    with running_front(tmp_path_factory.mktemp("replicas-train"), postgres_server.fresh_database(), ray_address,
+                       flags, dtype="auto", training=True) as front:  # bf16 where fast: the defaults  # fmt: skip
         yield front
-    finally:
-        stop_process(front.process)
-
-
-def wait_training(front, after_generation: int = 1) -> list[dict]:
-    """The replicas, once both train together in one group of generation ``after_generation`` or later."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        states = replicas(front)
-        together = all(r["training"] == "on" for r in states) and len({r["generation"] for r in states}) == 1
-        if together and states[0]["generation"] >= after_generation:
-            return states
-        time.sleep(0.5)
-    raise AssertionError(f"the replicas do not train together: {states}\n{front.log_path.read_text()}")
 
 
 def ask(base_url: str, question: str) -> dict:
