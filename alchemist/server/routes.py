@@ -57,7 +57,7 @@ async def metrics(request: Request, caller: Caller = Depends(metrics_reader)) ->
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-COMPLETION_ERRORS = (400, 401, 404, 413, 429)
+COMPLETION_ERRORS = (400, 401, 403, 404, 413, 429)
 
 
 @router.post(
