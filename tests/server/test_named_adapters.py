@@ -46,12 +46,13 @@ def named(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("named")
     model_config = read_config(hf_dir_for(None))
     modules = []
-    # team-a: rank 4 on every projection; the many: rank 2 on q and v only (ranks and targets differ per adapter)
-    for name, config, seed in [("team-a", LoraConfig(r=4, alpha=8), 7)] + [
-        (f"many-{i:02d}", LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), 100 + i)
+    # team-a: rank 4 on every projection; the many: rank 2 on q and v only (ranks and targets differ per adapter),
+    # with B large enough that most of them answer differently
+    for name, config, seed, std in [("team-a", LoraConfig(r=4, alpha=8), 7, 0.1)] + [
+        (f"many-{i:02d}", LoraConfig(r=2, alpha=4, target_modules=("q_proj", "v_proj")), 100 + i, 1.0)
         for i in range(NUM_MANY)
     ]:
-        save_adapter(random_b(LoraAdapter(model_config, config, seed=seed), seed, 0.1), root / name)
+        save_adapter(random_b(LoraAdapter(model_config, config, seed=seed), seed, std), root / name)
         modules.append(f"{name}={root / name}")
     keys = write_keys(root / "keys.toml", users=("bob",), admins=("ops",))
     keys["alice"] = add_key(root / "keys.toml", "alice", admin=False, adapter="team-a")
