@@ -183,6 +183,11 @@ def test_the_base_models_name_is_a_keys_own_adapter(named):
     assert (named_so.model, named_so.choices[0].message.content) == ("team-a", personal.choices[0].message.content)
     shared = chat(server, keys["bob"], MODEL_NAME)
     assert shared.model == MODEL_NAME and shared.choices[0].message.content != personal.choices[0].message.content
+    chunks = list(server.client(api_key=keys["alice"]).chat.completions.create(
+        model=MODEL_NAME, messages=HELLO, max_tokens=6, temperature=0, stream=True))  # fmt: skip
+    assert {c.model for c in chunks} == {"team-a"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        personal.choices[0].message.content)  # fmt: skip
 
 
 def test_feedback_on_a_named_adapters_response_is_refused(named):
@@ -227,3 +232,24 @@ def test_fifty_adapters_round_robin_through_four_slots(named, smollm2):
         engine.set_adapter(load_adapter(root / names[i], smollm2.model.config), i + 1)  # a version each: own cache
         out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
         assert out.text == first[i], names[i]
+
+
+# --- the keys file ------------------------------------------------------------------------------------------------
+
+
+def test_keys_add_records_an_adapter_and_keys_without_one_read_as_before(tmp_path, capsys):
+    from alchemist.cli import main
+    from alchemist.server.auth import hash_key, parse_keys
+
+    path = tmp_path / "keys.toml"
+    assert main(["keys", "add", "alice", "--adapter", "team-a", "--file", str(path)]) == 0
+    alice = capsys.readouterr().out.split()[-1]
+    bob = add_key(path, "bob", admin=False)
+    assert path.read_text().count("adapter") == 1  # only alice's entry has the field
+    callers = parse_keys(path.read_text(), str(path))
+    assert callers[hash_key(alice)].adapter == "team-a" and callers[hash_key(bob)].adapter is None
+    assert callers[hash_key(alice)].may_use("team-a") and not callers[hash_key(bob)].may_use("team-a")
+    with pytest.raises(ValueError, match="adapter name"):
+        add_key(path, "carol", admin=False, adapter="not a name")
+    with pytest.raises(ValueError, match="adapter must be an adapter name"):
+        parse_keys(f'[[keys]]\nname = "d"\nsha256 = "{"0" * 64}"\nadapter = 3\n', "inline")
