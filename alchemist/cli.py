@@ -61,8 +61,10 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 def _keys_add(args: argparse.Namespace) -> int:
     from alchemist.server.auth import add_key
 
-    key = add_key(args.file, args.name, args.admin)
-    print(f"{'admin' if args.admin else 'user'} key {args.name!r} added to {args.file} (stored hashed; shown once):")
+    key = add_key(args.file, args.name, args.admin, args.adapter)
+    own = f" with adapter {args.adapter!r}" if args.adapter else ""
+    print(f"{'admin' if args.admin else 'user'} key {args.name!r}{own} added to {args.file} (stored hashed; shown "
+          "once):")  # fmt: skip
     print(key)
     return 0
 
@@ -73,6 +75,8 @@ def _register_keys(sub: argparse._SubParsersAction) -> None:
     p = ksub.add_parser("add", help="make a new key, print it once, store its hash (SIGHUP or wait: serve reloads)")
     p.add_argument("name")
     p.add_argument("--admin", action="store_true", help="rollback, adapter management, /metrics and /docs")
+    p.add_argument("--adapter", default=None, help="the key's own named adapter (--lora-modules or "
+                   "/v1/load_lora_adapter): its requests for the base model are served by it")  # fmt: skip
     p.add_argument("--file", default="alchemist-data/api-keys.toml", help="the keys file")
     p.set_defaults(func=_keys_add)
 

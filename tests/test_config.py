@@ -48,7 +48,8 @@ def test_record_flags_map_to_the_tiers(tmp_path):
 def _other_value(cls: type, field: dataclasses.Field):
     """A valid value of the field other than its default."""
     kind, default = field_type(cls, field.name), field.default
-    special = {"host": "localhost", "port": 8001, "max_num_seqs": 8, "betas": (0.8, 0.99), "slo_tpot_s": 0.04}
+    special = {"host": "localhost", "port": 8001, "max_num_seqs": 8, "betas": (0.8, 0.99), "slo_tpot_s": 0.04,
+               "lora_modules": ("team-a=/adapters/team-a",)}
     if field.name in special:
         return special[field.name]
     if kind is bool:
@@ -215,6 +216,10 @@ BAD_FLAGS = [
     (["--max-streams-per-key", "-1"], "--max-streams-per-key must be an integer >= 0"),
     (["--record-quota-mb-per-hour", "-1"], "--record-quota-mb-per-hour must be >= 0"),
     (["--host", "0.0.0.0"], "--host is not a loopback address"),
+    (["--lora-modules", "team-a"], "--lora-modules entries must be NAME=PATH"),
+    (["--lora-modules", "a=/x", "a=/y"], "--lora-modules names an adapter twice"),
+    (["--max-loras", "0"], "--max-loras must be a positive integer"),
+    (["--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras must be at least max_loras (4)"),
     (["--replicas", "0"], "--replicas must be a positive integer"),
     (["--ray-address", " "], "--ray-address must not be empty"),
     (["--replicas", "2"], "--replicas above 1 needs a feedback log the replicas share"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -17,6 +18,10 @@ from alchemist.config.fields import (
     flag,
     run_checks,
 )
+
+# A named adapter's name, as clients send it in ``model``, a keys file's ``adapter`` holds it and --lora-modules and
+# /v1/load_lora_adapter give it (alchemist.runtime.adapter_registry).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.@:/-]{1,128}")
 
 
 def is_loopback(host: str) -> bool:
@@ -79,6 +84,15 @@ class ServerConfig:
                                              "(0: no limit)")] = 0  # fmt: skip
     record_mb_per_hour: Annotated[float, flag("record-quota-mb-per-hour", "prompt records a key's "
                                               "{\"alchemist\": {\"record\": true}} may ask for")] = 2048.0  # fmt: skip
+    # Named LoRA adapters (vLLM's flags; alchemist.runtime.adapter_registry): requests name one as their model. More
+    # may be registered than the engine holds: the others wait on disk and are paged in on demand.
+    lora_modules: Annotated[tuple[str, ...], flag("lora-modules", "LoRA adapters served by name from the start, "
+                            "NAME=PATH each (PEFT adapter directories); requests name one as their "
+                            "model")] = ()  # fmt: skip
+    max_loras: Annotated[int, flag("max-loras", "named adapters held in the engine at once (the others are paged "
+                         "in on demand, evicting the least recently used idle one)")] = 4  # fmt: skip
+    max_cpu_loras: Annotated[int | None, flag("max-cpu-loras", "named adapters kept read in memory, so that a "
+                             "page-in need not read the disk (None: max_loras)")] = None  # fmt: skip
 
     def __post_init__(self) -> None:
         self.data_dir = str(self.data_dir)  # a Path is welcome too
@@ -97,6 +111,11 @@ class ServerConfig:
         check_non_negative(self, "requests_per_minute", "feedback_per_minute", "record_mb_per_hour")
         check_non_negative(self, "max_streams_per_key", integer=True)
         check_choice(self, "allocator", choices_of(ServerConfig, "allocator"))
+        check_positive_ints(self, "max_loras")
+        check(self, self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+              f"must be at least max_loras ({self.max_loras}) or None")  # fmt: skip
+        names = [name for name, _ in self.lora_module_paths]
+        check(self, len(names) == len(set(names)), "lora_modules", "names an adapter twice")
         check_choice(self, "metrics_access", ACCESS_CHOICES)
         check_choice(self, "docs_access", ACCESS_CHOICES)
         if self.api_key is not None:
@@ -105,6 +124,17 @@ class ServerConfig:
               "is not a loopback address: refusing to serve it without API keys, anyone who reaches it could train "
               "and roll back the model. Give --api-key or --api-keys-file, or --allow-unauthenticated if that is "
               "what you want")  # fmt: skip
+
+    @property
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs; a FieldError for an entry that is not NAME=PATH."""
+        pairs = []
+        for module in self.lora_modules:
+            name, sep, path = str(module).partition("=")
+            check(self, bool(sep and ADAPTER_NAME.fullmatch(name.strip()) and path.strip()), "lora_modules",
+                  f"entries must be NAME=PATH, NAME of letters, digits and _ . @ : / - ({module!r} is not)")
+            pairs.append((name.strip(), path.strip()))
+        return pairs
 
     @property
     def has_keys(self) -> bool:

@@ -48,11 +48,12 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs; ends after the output marked finished."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str):
+    def __init__(self, owner: AsyncEngine, request_id: str, on_finish: Callable[[], None] | None = None):
         self.owner = owner
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.on_finish = on_finish  # called once, on the event loop, when the request is done with (or aborted)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -77,6 +78,9 @@ class RequestStream:
     def _finish(self) -> None:
         self.finished = True
         self.owner.streams.pop(self.request_id, None)
+        on_finish, self.on_finish = self.on_finish, None
+        if on_finish is not None:
+            on_finish()
 
 
 class AsyncEngine:
@@ -125,13 +129,21 @@ class AsyncEngine:
 
     # --- requests (event loop thread) ---------------------------------------------------------------------------
 
-    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Admit a request and return its output stream. The engine's ValueError (a request it can never serve)
-        and QueueFullError raise here, before anything is streamed."""
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter_name: str | None = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        """Admit a request, served by the adapter ``adapter_name`` names (``LLMEngine.add_request``), and return its
+        output stream. The engine's ValueError (a request it can never serve) and QueueFullError raise here, before
+        anything is streamed (``on_finish`` is then not called; else once, when the stream ends or is closed)."""
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
-        stream = RequestStream(self, request_id)
-        self.engine.add_request(request_id, prompt_ids, params)  # raises before the stream is registered
+        stream = RequestStream(self, request_id, on_finish)
+        self.engine.add_request(request_id, prompt_ids, params, adapter_name)  # raises before the stream is registered
         self.streams[request_id] = stream
         self._wake()
         return stream

@@ -29,17 +29,20 @@ from alchemist.config import ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.host_memory import allocator_in_use
 from alchemist.runtime import System
+from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.server.adapters import AdapterService
 from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
 from alchemist.server.errors import (
     AdapterNotFoundError,
+    AdapterNotTrainedError,
     AuthenticationError,
     BodyTooLargeError,
     FeedbackConflictError,
     FeedbackNotFoundError,
     ModelNotFoundError,
+    NamedAdapterNotFoundError,
     PermissionDeniedError,
     RateLimitError,
     ResponseNotFoundError,
@@ -47,6 +50,7 @@ from alchemist.server.errors import (
 from alchemist.server.feedback import FeedbackService
 from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.server.metrics import ServerMetrics
+from alchemist.server.named_adapters import NamedAdapters
 from alchemist.server.openapi import docs_router, install_openapi
 from alchemist.server.protocol import ErrorInfo, ErrorResponse
 from alchemist.server.quarantine import router as quarantine_router
@@ -69,6 +73,8 @@ ERROR_MAP: dict[type[BaseException], tuple[int, str, str | None]] = {
     RateLimitError: (429, "rate_limit_error", "rate_limit_exceeded"),  # a key's limits (alchemist.server.limits)
     ResponseNotFoundError: (404, "invalid_request_error", "response_not_found"),  # feedback on an unknown id
     AdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # rollback to a version not kept
+    NamedAdapterNotFoundError: (404, "invalid_request_error", "adapter_not_found"),  # unload of an unknown name
+    AdapterNotTrainedError: (409, "invalid_request_error", "adapter_not_trained"),  # feedback on a named adapter's
     FeedbackNotFoundError: (404, "invalid_request_error", "feedback_not_found"),
     FeedbackConflictError: (409, "invalid_request_error", "feedback_id_conflict"),  # a reused client feedback_id
     ValueError: (400, "invalid_request_error", None),
@@ -223,7 +229,19 @@ def create_app(system: System) -> FastAPI:
     app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
     app.state.trainer = trainer
     app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake)
+    app.state.named_adapters = serving.named = _named_adapters(system)
+    metrics.watch_adapters(serving.named.registry)
     return app
+
+
+def _named_adapters(system: System) -> NamedAdapters:
+    """The named adapters (--lora-modules read now: a bad one stops start-up with its ValueError)."""
+    config, engine = system.config.server, system.engine
+    registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names)
+    for name, path in config.lora_module_paths:
+        registry.register(name, path)
+    assert engine.config.max_model_len is not None
+    return NamedAdapters(registry, system.names, engine.config.max_model_len)
 
 
 def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:

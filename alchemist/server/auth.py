@@ -12,6 +12,7 @@ The keys file holds named keys, hashed (sha256 hex of the key; the key itself is
     name = "alice"
     sha256 = "9f86d08..."
     admin = false                 # admin: rollback and adapter management, /metrics and /docs when not public
+    adapter = "team-a"            # optional: the key's own named adapter (its model; see Caller.adapter)
     requests_per_minute = 60      # optional, over the server's --rate-limit-* defaults
     feedback_per_minute = 20
     max_streams = 4
@@ -37,6 +38,7 @@ from pathlib import Path
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from alchemist.config.server import ADAPTER_NAME
 from alchemist.server.errors import AuthenticationError, PermissionDeniedError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,14 @@ class Caller:
     name: str | None
     admin: bool
     limits: dict[str, float] = field(default_factory=dict)  # this key's own limits (LIMIT_FIELDS), if any
+    # The key's own named adapter (alchemist.runtime.adapter_registry): a request for the base model's name is
+    # served by it, and it is the one adapter a user key may name. None: the shared adapter, as for any key.
+    adapter: str | None = None
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether this caller may name the adapter ``adapter`` as its model: its own; any for an admin (and for
+        everyone where no keys are configured)."""
+        return self.admin or self.adapter == adapter
 
 
 ANONYMOUS = Caller(None, admin=True)
@@ -77,14 +87,17 @@ def parse_keys(text: str, source: str) -> dict[str, Caller]:
             raise ValueError(f"{source}: keys[{i}] needs a unique non-empty name (got {name!r})")
         if not SHA256_HEX.fullmatch(digest):
             raise ValueError(f"{source}: keys[{i}] ({name}): sha256 must be 64 hex digits")
-        unknown = set(entry) - {"name", "sha256", "admin", *LIMIT_FIELDS}
+        unknown = set(entry) - {"name", "sha256", "admin", "adapter", *LIMIT_FIELDS}
         if unknown:
             raise ValueError(f"{source}: keys[{i}] ({name}): unknown fields {sorted(unknown)}")
         limits = {k: float(entry[k]) for k in LIMIT_FIELDS if k in entry}
         if any(v < 0 for v in limits.values()):
             raise ValueError(f"{source}: keys[{i}] ({name}): limits must be >= 0")
+        adapter = entry.get("adapter")
+        if adapter is not None and not (isinstance(adapter, str) and ADAPTER_NAME.fullmatch(adapter)):
+            raise ValueError(f"{source}: keys[{i}] ({name}): adapter must be an adapter name (got {adapter!r})")
         names.add(name)
-        by_hash[digest] = Caller(name, admin=bool(entry.get("admin", False)), limits=limits)
+        by_hash[digest] = Caller(name, admin=bool(entry.get("admin", False)), limits=limits, adapter=adapter)
     return by_hash
 
 
@@ -139,8 +152,9 @@ class KeyStore:
             self.reload()
 
 
-def add_key(keys_file: str | os.PathLike, name: str, admin: bool) -> str:
-    """Append a new key to ``keys_file`` (created if missing); returns the key, which is stored only hashed."""
+def add_key(keys_file: str | os.PathLike, name: str, admin: bool, adapter: str | None = None) -> str:
+    """Append a new key to ``keys_file`` (created if missing), with its own named adapter if ``adapter``; returns
+    the key, which is stored only hashed."""
     path = Path(keys_file)
     text = path.read_text() if path.exists() else ""
     existing = parse_keys(text, str(path))
@@ -148,8 +162,12 @@ def add_key(keys_file: str | os.PathLike, name: str, admin: bool) -> str:
         raise ValueError(f"{path} already has a key named {name!r}")
     if not re.fullmatch(r"[A-Za-z0-9_.@-]+", name):
         raise ValueError(f"key name {name!r}: use letters, digits and _ . @ - only")
+    if adapter is not None and not ADAPTER_NAME.fullmatch(adapter):
+        raise ValueError(f"adapter name {adapter!r}: use 1 to 128 letters, digits and _ . @ : / - only")
     key = new_key()
     block = f'[[keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\nadmin = {"true" if admin else "false"}\n'
+    if adapter is not None:  # only then: a key without one reads as it always has
+        block += f'adapter = "{adapter}"\n'
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(("\n" if text and not text.endswith("\n\n") else "") + block)

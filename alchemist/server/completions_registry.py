@@ -25,6 +25,7 @@ class CompletionRecord:
     created_s: float = field(default_factory=time.time)  # wall-clock time the response finished
     recorded: bool = False  # whether activations were recorded for it (the "alchemist.record" request flag)
     owner: str | None = None  # the name of the API key that made it (alchemist.server.auth); None: no keys
+    adapter_name: str | None = None  # the named adapter that served it (None: the shared one, which feedback trains)
 
 
 class CompletionsRegistry:

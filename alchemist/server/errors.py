@@ -16,9 +16,9 @@ class InvalidRequestError(ValueError):
 
 
 class ModelNotFoundError(LookupError):
-    def __init__(self, model: str, served: list[str]):
+    def __init__(self, model: str, served: list[str], reason: str | None = None):
         # Only the public name: the other accepted names are paths on the server's disk, nobody else's business.
-        super().__init__(f"The model {model!r} does not exist; this server serves {served[0]!r}")
+        super().__init__(reason or f"The model {model!r} does not exist; this server serves {served[0]!r}")
         self.param = "model"
 
 
@@ -90,3 +90,22 @@ class FeedbackConflictError(ValueError):
             "the same fields, new feedback a new feedback_id"
         )
         self.param = "feedback_id"
+
+
+class NamedAdapterNotFoundError(LookupError):
+    """/v1/unload_lora_adapter names no loaded adapter (404)."""
+
+    def __init__(self, name: str, loaded: list[str]):
+        super().__init__(f"No LoRA adapter named {name!r} is loaded (loaded: {', '.join(loaded) or 'none'})")
+        self.param = "lora_name"
+
+
+class AdapterNotTrainedError(ValueError):
+    """Feedback on a response that a named adapter served: only the shared adapter is trained online (409)."""
+
+    def __init__(self, adapter: str, param: str):
+        super().__init__(
+            f"The response was served by the named adapter {adapter!r}, which is served frozen: feedback trains only "
+            "the shared adapter, and training per adapter is not built yet; nothing was logged"
+        )
+        self.param = param

@@ -11,6 +11,10 @@ first attempt wrote (``created`` False), even once the response itself has expir
 under a used id is a 409), and ``GET /v1/feedback/{feedback_id}`` answers as ``GET /v1/feedback/fb-<seq>`` does.
 ``comment`` and ``metadata`` are kept with the entry and shown, never trained on.
 
+Feedback trains the shared adapter only: on a response that a named adapter served (``alchemist.server
+.named_adapters``; those are served frozen until training per adapter exists) it is refused with a 409
+``adapter_not_trained``, and nothing is logged.
+
 Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the end-of-turn id); rating 1 ->
 "sft" on (prompt, served output); rating -1 -> "negative"; preferred_over -> "preference".
 """
@@ -23,6 +27,7 @@ from alchemist.model.tokenizer import Tokenizer
 from alchemist.server import protocol as p
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import (
+    AdapterNotTrainedError,
     FeedbackConflictError,
     FeedbackNotFoundError,
     InvalidRequestError,
@@ -47,6 +52,8 @@ class FeedbackService:
         ``owner``: the caller's key name, which must be the responses' (None: any response, an admin's or no keys);
         ``key_name``: the caller's key, logged with the entry (the trainer caps each key's share of a batch)."""
         check_owner(self.registry, owner, req.response_id, req.preferred_over)
+        self._check_trained(req.response_id, "response_id")
+        self._check_trained(req.preferred_over, "preferred_over")
         key = idempotency_key(
             req.response_id, req.rating, req.correction, req.preferred_over, req.comment, req.metadata, req.feedback_id
         )
@@ -119,6 +126,13 @@ class FeedbackService:
         if req.feedback_id is not None and sent != logged:
             raise FeedbackConflictError(req.feedback_id, entry.seq)
         return _response(entry, created=False)
+
+    def _check_trained(self, response_id: str | None, param: str) -> None:
+        """AdapterNotTrainedError if a named adapter served the response: the shared adapter must never learn from
+        it. Unknown ids pass: the lookup answers them with its 404."""
+        record = self.registry.get(response_id) if response_id is not None else None
+        if record is not None and record.adapter_name is not None:
+            raise AdapterNotTrainedError(record.adapter_name, param)
 
     def _lookup(self, response_id: str, param: str) -> CompletionRecord:
         record = self.registry.get(response_id)

@@ -154,6 +154,28 @@ class _TrainingCollector(Collector):
         )
 
 
+class _AdapterCollector(Collector):
+    """The named adapters' paging (``alchemist.runtime.adapter_registry``), read at scrape time."""
+
+    def __init__(self, registry) -> None:  # an AdapterRegistry
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.registry
+        for name, doc, value in (
+            ("adapter_loads", "Named adapters paged into the engine (at first use, or again after an eviction).",
+             r.num_loads),
+            ("adapter_evictions", "Named adapters evicted from the engine to make room (least recently used).",
+             r.num_evictions),
+            ("adapter_disk_reads", "Named adapter directories read from disk.", r.num_disk_reads),
+        ):  # fmt: skip
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "adapters_registered", "Named adapters served (on disk or in the engine).",
+                                value=len(r.paths()))  # fmt: skip
+        yield GaugeMetricFamily(PREFIX + "adapters_in_engine", "Named adapters held in the engine (--max-loras).",
+                                value=r.num_in_engine)  # fmt: skip
+
+
 class LatencyWindow:
     """The TTFT and TPOT of recently finished requests, for the dashboard's percentiles (a histogram's buckets are
     too coarse for a p50 over a few seconds). Fed by ``ServerMetrics.observe``; read from another thread."""
@@ -284,6 +306,10 @@ class ServerMetrics:
         """Expose the online trainer's metrics (an OnlineTrainer)."""
         self.trainer = trainer
         self.registry.register(_TrainingCollector(trainer))
+
+    def watch_adapters(self, registry) -> None:
+        """Expose the named adapters' page-ins, evictions and counts (an AdapterRegistry)."""
+        self.registry.register(_AdapterCollector(registry))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,8 +23,10 @@ from alchemist.server.protocol import ErrorResponse
 ERROR_DESCRIPTIONS = {
     400: "Invalid request (malformed JSON, a wrong type or value, a prompt beyond the context)",
     401: "Missing or wrong API key (Authorization: Bearer ...)",
-    403: "The key may not do this (an admin key is needed, or the response belongs to another key)",
-    404: "Unknown model, response id or adapter version",
+    403: "The key may not do this (an admin key is needed, the response belongs to another key, or the adapter "
+    "named as model is another key's)",
+    404: "Unknown model, response id, adapter version or adapter name",
+    409: "Conflict (a reused feedback_id, or feedback on a response of a named adapter, which is served frozen)",
     413: "Request body too large",
     429: "Rate limit of the key, or the server's waiting queue is full (see Retry-After)",
 }

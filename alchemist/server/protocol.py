@@ -282,12 +282,37 @@ class ModelCard(OpenAIModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "alchemist"
+    root: str | None = None  # vLLM's: a named adapter's directory (the base model's path is not shown)
+    parent: str | None = None  # vLLM's: a named adapter's base model (its served name); None for the base model
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's POST /v1/load_lora_adapter: serve the PEFT adapter directory ``lora_path`` as the model
+    ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's POST /v1/unload_lora_adapter (``lora_int_id`` is accepted and ignored, as names are unique)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class DeletedModel(OpenAIModel):
+    """What an unload answers (OpenAI's shape for a deleted model)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True
 
 
 # --- feedback (Alchemist's own endpoint) ----------------------------------------------------------------------

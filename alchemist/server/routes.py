@@ -21,12 +21,16 @@ from alchemist.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DeletedModel,
     FeedbackInfo,
     FeedbackList,
     FeedbackRequest,
     FeedbackResponse,
+    LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
     RollbackRequest,
+    UnloadLoRAAdapterRequest,
 )
 from alchemist.server.service import EventStream, OpenAIServing
 
@@ -45,7 +49,7 @@ async def health() -> dict[str, str]:
 
 @router.get("/v1/models", responses=errors(401))
 async def models(request: Request, caller: Caller = Depends(user)) -> ModelList:
-    return _serving(request).models()
+    return _serving(request).models(caller)
 
 
 @router.get("/metrics", response_class=Response, responses=text("Prometheus metrics", 401, 403))
@@ -53,7 +57,7 @@ async def metrics(request: Request, caller: Caller = Depends(metrics_reader)) ->
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-COMPLETION_ERRORS = (400, 401, 404, 413, 429)
+COMPLETION_ERRORS = (400, 401, 403, 404, 413, 429)
 
 
 @router.post(
@@ -70,7 +74,7 @@ async def completions(body: CompletionRequest, request: Request, caller: Caller 
     return await _respond(request, caller, body.stream, lambda: _serving(request).completion(body, caller))
 
 
-@router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 413, 429))
+@router.post("/v1/feedback", responses=errors(400, 401, 403, 404, 409, 413, 429))
 def feedback(body: FeedbackRequest, request: Request, caller: Caller = Depends(feedback_giver)) -> FeedbackResponse:
     # A plain def: FastAPI runs it in its thread pool, so the log's fsync does not stall the event loop.
     return request.app.state.feedback.submit(body, None if caller.admin else caller.name, caller.name)
@@ -112,6 +116,22 @@ def adapters(request: Request, caller: Caller = Depends(user)) -> AdapterList:
 def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(admin)) -> AdapterInfo:
     # A plain def: it waits, off the event loop, for the stepping thread to roll back (after the batch in training).
     return request.app.state.adapters.rollback(body)
+
+
+@router.post("/v1/load_lora_adapter", responses=errors(400, 401, 403, 413))
+async def load_lora_adapter(
+    body: LoadLoRAAdapterRequest, request: Request, caller: Caller = Depends(admin)
+) -> ModelCard:
+    """vLLM's: serve a PEFT adapter directory under a name, frozen (alchemist.server.named_adapters)."""
+    return await request.app.state.named_adapters.load(body)
+
+
+@router.post("/v1/unload_lora_adapter", responses=errors(400, 401, 403, 404, 413))
+async def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest, request: Request, caller: Caller = Depends(admin)
+) -> DeletedModel:
+    """vLLM's: stop serving a named adapter (requests in flight finish with it)."""
+    return request.app.state.named_adapters.unload(body)
 
 
 async def _respond(request: Request, caller: Caller, stream: bool, serve: Callable[[], Awaitable[Any]]) -> Response:

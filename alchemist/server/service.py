@@ -24,6 +24,7 @@ from alchemist.server.auth import ANONYMOUS, Caller
 from alchemist.server.completions_registry import CompletionRecord, CompletionsRegistry
 from alchemist.server.errors import InvalidRequestError, ModelNotFoundError
 from alchemist.server.limits import KeyLimits, LimitConfig
+from alchemist.server.named_adapters import NamedAdapters
 from alchemist.training.anchors import Anchor, AnchorPool
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -39,6 +40,8 @@ class Accumulator:
     """What a request has produced so far, across its RequestOutputs."""
 
     prompt_token_ids: list[int]
+    model: str  # what the response's ``model`` says: the named adapter that answers, else the base model's name
+    adapter_name: str | None = None  # the named adapter serving it (None: the shared one)
     owner: str | None = None  # the API key's name (None: no keys configured)
     recorded: bool = False  # whether its prompt was asked to be recorded, and granted
     last: RequestOutput | None = None
@@ -106,14 +109,17 @@ class OpenAIServing:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.limits = KeyLimits(LimitConfig(), 0)  # the app sets the server's (alchemist.server.limits)
         self.id_tag = ""  # after a response id's prefix: a replica's index (alchemist.scale.replica)
+        self.named: NamedAdapters | None = None  # the app sets the server's (None: only the base model's names)
 
     @property
     def model_name(self) -> str:
         """The name responses carry (the first served name)."""
         return self.served_model_names[0]
 
-    def models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+    def models(self, caller: Caller = ANONYMOUS) -> p.ModelList:
+        """The base model, and the named adapters ``caller`` may use."""
+        adapters = self.named.cards(caller) if self.named is not None else []
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len), *adapters])
 
     # --- chat -----------------------------------------------------------------------------------------------
 
@@ -122,9 +128,9 @@ class OpenAIServing:
     ) -> p.ChatCompletionResponse | EventStream:
         """``caller``: the API key the response belongs to (only it may give feedback on it; its quota grants a
         request to be recorded)."""
-        self._check_model(req.model)
+        adapter = self._resolve(req.model, caller)
         prompt_ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        request_id, stream, acc = self._submit("chatcmpl", req, prompt_ids, "messages", caller)
+        request_id, stream, acc = await self._submit("chatcmpl", req, prompt_ids, "messages", caller, adapter)
         if req.stream:
             return EventStream(self._chat_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
@@ -136,7 +142,7 @@ class OpenAIServing:
         )
         return p.ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=acc.model,
             system_fingerprint=p.fingerprint(acc.adapter_version),
             choices=[choice],
             usage=acc.usage(),
@@ -149,7 +155,7 @@ class OpenAIServing:
         chunk = lambda choices, usage=None: p.ChatCompletionChunk(
             id=request_id,
             created=created,
-            model=self.model_name,
+            model=acc.model,
             system_fingerprint=p.fingerprint(acc.adapter_version),
             choices=choices,
             usage=usage,
@@ -182,13 +188,13 @@ class OpenAIServing:
     async def completion(
         self, req: p.CompletionRequest, caller: Caller = ANONYMOUS
     ) -> p.CompletionResponse | EventStream:
-        self._check_model(req.model)
+        adapter = self._resolve(req.model, caller)
         # Special tokens as the model adds them to plain text (a BOS for Llama), as vLLM does.
         prompt = req.prompt
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-        request_id, stream, acc = self._submit("cmpl", req, prompt_ids, "prompt", caller)
+        request_id, stream, acc = await self._submit("cmpl", req, prompt_ids, "prompt", caller, adapter)
         if req.stream:
             return EventStream(self._completion_stream(req, request_id, stream, acc), stream)
         await self._drain(stream, acc)
@@ -197,7 +203,7 @@ class OpenAIServing:
         choice = p.CompletionChoice(text=acc.text, logprobs=logprobs, finish_reason=acc.finish_reason)
         return p.CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=acc.model,
             system_fingerprint=p.fingerprint(acc.adapter_version),
             choices=[choice],
             usage=acc.usage(),
@@ -210,7 +216,7 @@ class OpenAIServing:
         chunk = lambda choices, usage=None: p.CompletionResponse(
             id=request_id,
             created=created,
-            model=self.model_name,
+            model=acc.model,
             system_fingerprint=p.fingerprint(acc.adapter_version),
             choices=choices,
             usage=usage,
@@ -234,18 +240,27 @@ class OpenAIServing:
 
     # --- shared ---------------------------------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
+    def _resolve(self, model: str, caller: Caller) -> str | None:
+        """The named adapter that serves ``caller``'s request for ``model`` (None: the shared one), or a 404/403
+        (``alchemist.server.named_adapters``)."""
+        if self.named is not None:
+            return self.named.resolve(model, caller)
         if model not in self.served_model_names:
             raise ModelNotFoundError(model, self.served_model_names)
+        return None
 
-    def _submit(
+    async def _submit(
         self,
         prefix: str,
         req: p.ChatCompletionRequest | p.CompletionRequest,
         prompt_ids: list[int],
         prompt_param: str,
         caller: Caller,
+        adapter: str | None = None,
     ) -> tuple[str, RequestStream, Accumulator]:
+        """Admits the request, served by the named adapter ``adapter`` (None: the shared one); with one, first waits
+        until the adapter is in the engine (paged in on demand: ``alchemist.runtime.adapter_registry``), holding it
+        there until the request's stream ends."""
         self._check_prompt(prompt_ids, req.max_new_tokens, prompt_param)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
             # Here rather than in SamplingParams, so that the 400 names the field (param).
@@ -262,12 +277,23 @@ class OpenAIServing:
             stop=list(req.stop or []),
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
-            # A client's flag asks; its key's record quota grants (else it is served unrecorded: no error).
-            record=req.alchemist.record and self.limits.grant_record(caller, len(prompt_ids)),
+            # A client's flag asks; its key's record quota grants (else it is served unrecorded: no error). Records
+            # are for training the shared adapter: a named adapter's requests make none.
+            record=adapter is None and req.alchemist.record and self.limits.grant_record(caller, len(prompt_ids)),
         )
         request_id = p.random_id(prefix + self.id_tag)
-        stream = self.engine.generate(request_id, prompt_ids, params)
-        return request_id, stream, Accumulator(prompt_token_ids=prompt_ids, owner=caller.name, recorded=params.record)
+        acc = Accumulator(prompt_ids, adapter or self.model_name, adapter, owner=caller.name, recorded=params.record)
+        if adapter is None:
+            return request_id, self.engine.generate(request_id, prompt_ids, params), acc
+        assert self.named is not None
+        await self.named.acquire(adapter)
+        release = lambda: self.named.release(adapter)  # noqa: E731 - called once, when the stream ends
+        try:
+            stream = self.engine.generate(request_id, prompt_ids, params, adapter, on_finish=release)
+        except BaseException:
+            release()
+            raise
+        return request_id, stream, acc
 
     def _check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -301,15 +327,17 @@ class OpenAIServing:
                 prompt_token_ids=acc.prompt_token_ids,
                 output_token_ids=acc.output_token_ids,
                 text=acc.text,
-                model=self.model_name,
+                model=acc.model,
                 adapter_version=acc.adapter_version,
+                adapter_name=acc.adapter_name,
                 finish_reason=acc.finish_reason,
                 created_s=time.time(),
                 recorded=acc.recorded,
                 owner=acc.owner,
             )
         )
-        if self.anchors is not None and acc.finish_reason in ("stop", "length"):
+        # Anchors keep the shared adapter close to the base model on served text: a named adapter's is not its own.
+        if self.anchors is not None and acc.adapter_name is None and acc.finish_reason in ("stop", "length"):
             self.anchors.offer(Anchor(request_id, acc.prompt_token_ids, acc.output_token_ids))
 
     def _token_text(self, token_id: int) -> str:
