@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,10 +72,14 @@ def _start_ray() -> dict:
     threads are its own setting (alchemist.scale.serve.replica_cpus), and two test modules' replicas may share it."""
     port = _free_port()
     cpus = 4 * (os.cpu_count() or 1)
-    subprocess.run([_ray(), "start", "--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false",
-                    "--disable-usage-stats", f"--object-store-memory={80 << 20}"],
-                   check=True, capture_output=True, timeout=180)  # fmt: skip
-    return {"address": f"127.0.0.1:{port}"}
+    started = subprocess.run([_ray(), "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+                              "--include-dashboard=false", "--disable-usage-stats",
+                              f"--object-store-memory={80 << 20}"],
+                             check=True, capture_output=True, text=True, timeout=180)  # fmt: skip
+    # Ray binds the node's address, not the loopback: the address to join is the one it prints.
+    address = re.search(r"--address='([^']+)'", started.stdout + started.stderr)
+    assert address is not None, started.stdout + started.stderr
+    return {"address": address.group(1)}
 
 
 def _ray() -> str:
@@ -115,9 +121,13 @@ def postgres_server(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session")
-def ray_address(request: pytest.FixtureRequest) -> str:
-    """One local Ray cluster for the whole test run: what `alchemist serve --ray-address` joins."""
-    return _run_wide(request.config, "ray", _start_ray)["address"]
+def ray_address(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One local Ray cluster for the whole test run: what `alchemist serve --ray-address` joins. Ray 2.5x's `ray
+    start` turns token authentication on, and a driver that joins sends its token (~/.ray/auth_token, which `ray
+    start` wrote) only when RAY_AUTH_MODE says so: set for this worker and the processes it starts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "token")
+        yield _run_wide(request.config, "ray", _start_ray)["address"]
 
 
 @pytest.fixture

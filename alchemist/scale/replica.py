@@ -81,12 +81,14 @@ class Replica:
     """The actor's class (``replica_actor`` makes the Ray actor): a server that builds and serves in threads of its
     own, so that ``info`` answers while it loads."""
 
-    def __init__(self, config: Config, index: int, num_threads: int, coordinator: str) -> None:
+    def __init__(self, config: Config, index: int, num_threads: int, coordinator: str, front_node: str) -> None:
         import ray
 
         self.index, self.coordinator = index, coordinator
         self.node = ray.util.get_node_ip_address()
-        host = "127.0.0.1" if config.scale.ray_address is None else self.node  # a local cluster stays on loopback
+        # On the front's node a replica listens on the loopback (it needs no keys there); on another, on its node's
+        # address, which the config refuses without keys.
+        host = "127.0.0.1" if self.node == front_node else self.node
         self.config = replica_config(config, index, host)
         self.num_threads = num_threads
         self._sock = socket.create_server((host, 0))
@@ -165,10 +167,10 @@ class Replica:
         self.config = dataclasses.replace(self.config, online=dataclasses.replace(self.config.online, enabled=False))
 
 
-def replica_actor(config: Config, index: int, num_cpus: int, coordinator: str):
+def replica_actor(config: Config, index: int, num_cpus: int, coordinator: str, front_node: str):
     """A Ray actor running replica ``index`` on ``num_cpus`` cores (its torch threads), restarted by Ray whenever
     its process dies; the replicas' process groups form at ``coordinator`` (``host:port`` of the front's store:
-    alchemist.training.generations)."""
+    alchemist.training.generations); ``front_node``: the front's node's address."""
     import ray
 
     actor_class = ray.remote(Replica)
@@ -177,4 +179,4 @@ def replica_actor(config: Config, index: int, num_cpus: int, coordinator: str):
         num_cpus=num_cpus,
         max_restarts=-1,
         max_concurrency=4,  # info() answers while __init__'s threads load and serve
-    ).remote(config, index, num_cpus, coordinator)
+    ).remote(config, index, num_cpus, coordinator, front_node)

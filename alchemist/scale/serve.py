@@ -49,9 +49,10 @@ def serve_replicas(config: Config) -> None:
     start_ray(config)
     cpus = replica_cpus(config)
     # The replicas' process groups form at a store in this process: it outlives any replica (training.generations).
-    generations = Generations.host(ray.util.get_node_ip_address()) if config.online.enabled else None
+    node = ray.util.get_node_ip_address()
+    generations = Generations.host(node) if config.online.enabled else None
     coordinator = generations.address if generations is not None else ""
-    actors = [replica_actor(config, index, cpus, coordinator) for index in range(config.scale.replicas)]
+    actors = [replica_actor(config, index, cpus, coordinator, node) for index in range(config.scale.replicas)]
     replicas = ReplicaSet([Handle(index, actor) for index, actor in enumerate(actors)], generations)
     app = create_front(replicas, config.server)
     server = config.server

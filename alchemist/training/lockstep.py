@@ -68,7 +68,8 @@ class Lockstep:
         self.generation = 0  # of the group this replica is (or was last) in; 0: none yet, or the caller's
         self.joined = generations is None  # in a working group
         self.broken: str | None = None  # why its last group failed (a replica died, a collective timed out)
-        self._last_round = -float("inf")  # time.monotonic() of the latest round's start (or look for a generation)
+        self._last_round = -float("inf")  # time.monotonic() of the latest round's start
+        self._looked_s, self._to_form = -float("inf"), None  # out of a group: when the store was last asked, answer
 
     def fail(self, error: BaseException) -> None:
         """A collective failed: the group lost a member (or timed out) and cannot be used again. This replica's
@@ -89,12 +90,14 @@ class Lockstep:
     def due(self) -> bool:
         """Whether the loop has lockstep work now: a round with the others (every ``round_s``), or, out of a group,
         forming a newer generation's that has this replica (looked for as often)."""
-        if time.monotonic() - self._last_round < self.round_s:
+        now = time.monotonic()
+        if now - self._last_round < self.round_s:
             return False
         if self.joined:
             return True
-        self._last_round = time.monotonic()
-        return self._generation_to_form() is not None
+        if now - self._looked_s >= self.round_s:  # the store is asked once a round at most (this is asked often)
+            self._looked_s, self._to_form = now, self._generation_to_form()
+        return self._to_form is not None
 
     def start_round(self) -> None:
         self._last_round = time.monotonic()
@@ -113,7 +116,7 @@ class Lockstep:
     def form_slices(self) -> Generator[None, None, bool]:
         """Forms the newest generation's group if this replica is a member (in a thread: the others may take a
         while to come, and serving goes on meanwhile); returns whether it is in a working group now."""
-        generation = self._generation_to_form()
+        generation, self._to_form = self._generation_to_form(), None
         if generation is None:
             return False
         assert self.generations is not None

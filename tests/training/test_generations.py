@@ -41,7 +41,8 @@ def _replica(index: int, phase: str, address: str, model_dir: str, out_dir: str)
     if phase == "both":
         torch.save(side.seen(), Path(out_dir) / "after-first.pt")
     while not (lockstep.joined and lockstep.generation == 3):  # alone in generation 2, then with the new replica
-        side.trainer.run_slice()
+        if side.trainer.has_work():  # as the server's time share asks before each slice
+            side.trainer.run_slice()
     side.log([(i, pairs[i]) for i in SECOND[index]])
     side.train_until_idle()
     torch.save(side.seen(), Path(out_dir) / f"{phase}{index}.pt")
