@@ -6,7 +6,8 @@
 Each client takes the next conversation and sends its user turns one after the other to ``/chat/completions``
 (streaming, the official ``openai`` client), every turn with the whole history before it: the earlier user turns
 and the replies this server actually returned. So a server that reuses cached prefixes shows it. A one-turn chat is
-a plain request. A conversation whose turn fails ends there (its later turns need the reply).
+a plain request. A conversation whose turn fails ends there (its later turns need the reply). A chat may name its
+own model (a named adapter); each result says which model answered (the stream's ``model``).
 
 Every request asks for exactly ``max_tokens`` greedy tokens: ``max_tokens`` plus ``ignore_eos`` and ``min_tokens``
 in the body (vLLM's extras, accepted by vLLM and by Alchemist). The tokens counted are the streamed ``usage``'s
@@ -26,6 +27,7 @@ from alchemist.bench.latency import StreamClock
 @dataclass(frozen=True)
 class Chat:
     turns: tuple[str, ...]  # user messages, sent one after the other
+    model: str | None = None  # the model its requests name (a named adapter), else run_chats' model
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RequestResult:
     num_tokens: int  # output tokens, as the server's usage says
     prompt_tokens: int  # likewise
     itl_s: list[float]  # the gaps between its streamed content chunks after the first (vLLM's ITL)
+    model: str | None = None  # the model that answered, as the stream says (a named adapter's name)
 
 
 def openai_client(base_url: str, api_key: str):
@@ -64,12 +67,13 @@ async def send_turn(client, model: str, messages: list[dict], max_tokens: int) -
     """One streamed chat request: its timings and the reply's text."""
     clock = StreamClock()
     parts: list[str] = []
-    num_tokens = prompt_tokens = None
+    num_tokens = prompt_tokens = answered_by = None
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": max_tokens},
     )  # fmt: skip
     async for chunk in stream:
+        answered_by = answered_by or chunk.model
         if chunk.choices and chunk.choices[0].delta.content:
             clock.content()
             parts.append(chunk.choices[0].delta.content)
@@ -80,7 +84,8 @@ async def send_turn(client, model: str, messages: list[dict], max_tokens: int) -
         raise RuntimeError("the stream carried no usage (the server must support stream_options.include_usage)")
     if clock.first is None:
         raise RuntimeError(f"no content streamed ({num_tokens} tokens)")
-    return RequestResult(clock.ttft_s, e2e_s, num_tokens, prompt_tokens, clock.gaps), "".join(parts)
+    result = RequestResult(clock.ttft_s, e2e_s, num_tokens, prompt_tokens, clock.gaps, answered_by)
+    return result, "".join(parts)
 
 
 def run_chats(
@@ -96,11 +101,11 @@ def run_chats(
 
         async def one_client() -> None:
             while queue:
-                messages: list[dict] = []
-                for user in queue.popleft().turns:
+                chat, messages = queue.popleft(), []
+                for user in chat.turns:
                     messages.append({"role": "user", "content": user})
                     try:
-                        result, reply = await send_turn(client, model, messages, max_tokens)
+                        result, reply = await send_turn(client, chat.model or model, messages, max_tokens)
                     except Exception as e:  # whatever went wrong, it is this request's failure: counted
                         errors.append(e)
                         break

@@ -108,7 +108,7 @@ def _serve(bsub: argparse._SubParsersAction) -> None:
         "--workloads", "--workload", nargs="+", default=["first_turn"], help="first_turn (ShareGPT first user turns) "
         "and/or multi_turn (conversations continued turn by turn with the server's replies)"
     )  # fmt: skip
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 1 8 32 (with --adapters: 32)")
     p.add_argument(
         "--requests-per-level", type=int, default=2, help="requests = this x concurrency (at least 4; multi_turn: "
         "whole conversations until their turns reach it)"
@@ -118,6 +118,13 @@ def _serve(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--reuse-prompts", action="store_true", help="every level of a workload sends the same prompts")
     p.add_argument("--systems", nargs="+", default=["http"], help="http, and in process: engine, transformers")
     p.add_argument("--enforce-eager", action="store_true", help="our engine and server decode eager (no compile)")
+    p.add_argument(
+        "--adapters", type=int, nargs="+", default=None, metavar="K", help="per K, the requests spread round-robin "
+        "over K named LoRA adapters (of max(K) made here: rank 16, every projection); the server started here holds "
+        "them all, one at --base-url must serve them (the --lora-modules printed)"
+    )  # fmt: skip
+    p.add_argument("--adapters-dir", default=None, help="where --adapters' adapters are written and kept (default: "
+                   "a temporary directory, removed at the end)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_runs("serving"))

@@ -94,6 +94,42 @@ def serve_block(meta: dict, folder: Path) -> str:
     return table(header, rows)
 
 
+# Issue 44's goals for output tok/s: the most adapters' over one adapter's, and ours over the reference's at each K.
+MANY_ADAPTERS_VS_ONE = 0.85
+OURS_VS_REFERENCE = 1.0
+
+
+def serve_adapters_block(meta: dict, folder: Path) -> str:
+    """`bench serve --adapters`' rows: per run (``meta["runs"]``: label -> files, as serve's), workload, K and
+    concurrency, output tok/s (medians of the files) and TTFT / TPOT; then issue 44's goals where ``meta`` names
+    ``ours`` and ``reference``: the most adapters against one, ours against the reference at each K."""
+    groups = {label: [r for f in files for r in read_rows(folder / f)] for label, files in meta["runs"].items()}
+    keys = list(dict.fromkeys((r["workload"], r["adapters"], r["concurrency"]) for rs in groups.values() for r in rs))
+
+    def median(label: str, key: tuple, field: str) -> float | None:
+        values = [r[field] for r in groups[label] if (r["workload"], r["adapters"], r["concurrency"]) == key]
+        return statistics.median(values) if values else None
+
+    header = ["run", "workload", "adapters", "conc.", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms"]
+    body = [[label, *key, f1(median(label, key, "output_tok_s")),
+             f"{f1(median(label, key, 'ttft_p50_ms'))} / {f1(median(label, key, 'ttft_p99_ms'))}",
+             f"{f1(median(label, key, 'tpot_p50_ms'))} / {f1(median(label, key, 'tpot_p99_ms'))}"]
+            for label in groups for key in keys if median(label, key, "output_tok_s") is not None]  # fmt: skip
+    if "ours" not in meta:
+        return table(header, body)
+    ours, ref, goals = meta["ours"], meta["reference"], []
+    for workload, k, c in keys:
+        value = median(ours, (workload, k, c), "output_tok_s")
+        one = median(ours, (workload, 1, c), "output_tok_s")
+        theirs = median(ref, (workload, k, c), "output_tok_s")
+        if k == max(key[1] for key in keys) and k > 1 and value and one:
+            goals.append([workload, k, c, f"{ours}: {k} adapters / 1", value / one, MANY_ADAPTERS_VS_ONE])
+        if value and theirs:
+            goals.append([workload, k, c, f"{ours} / {ref}", value / theirs, OURS_VS_REFERENCE])
+    goals = [[*g[:4], f"**{g[4]:.2f}**", f">= {g[5]}", "met" if g[4] >= g[5] else "not met"] for g in goals]
+    return table(header, body) + "\n" + table(["workload", "adapters", "conc.", "ratio", "value", "goal", ""], goals)
+
+
 def online_block(meta: dict, folder: Path) -> str:
     """The three runs' serving latency and training speed, then the goals' ratios as bench online computes them."""
     rows = read_rows(folder / meta["rows"])
@@ -336,8 +372,8 @@ def scale_block(meta: dict, folder: Path) -> str:
 
 
 RENDERERS: dict[str, Callable[[dict, Path], str]] = {
-    "serve": serve_block, "online": online_block, "learn": learn_block, "soak": soak_block, "memory": memory_block,
-    "paper": paper_block, "scale": scale_block,
+    "serve": serve_block, "serve_adapters": serve_adapters_block, "online": online_block, "learn": learn_block,
+    "soak": soak_block, "memory": memory_block, "paper": paper_block, "scale": scale_block,
 }
 
 

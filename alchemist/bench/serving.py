@@ -3,7 +3,7 @@
 
     alchemist bench serve [--base-url http://HOST:PORT/v1] [--model NAME] [--workloads first_turn multi_turn]
                           [--concurrency 1 8 32] [--requests-per-level 2] [--max-tokens 128] [--max-prompt-tokens 512]
-                          [--reuse-prompts] [--systems http engine transformers] [--json]
+                          [--reuse-prompts] [--systems http engine transformers] [--adapters 1 4 16] [--json]
 
 Systems (``--systems``, default ``http``):
 
@@ -30,6 +30,16 @@ Every request asks for exactly ``--max-tokens`` greedy tokens (``max_tokens``, a
 ``min_tokens`` where the server takes them); the tokens counted are those the streamed usage reports. TTFT is
 to the first streamed content, TPOT as vLLM's benchmark defines it, (e2e - TTFT) / (output tokens - 1), ITL the
 gaps between a request's streamed content chunks, over all requests' gaps; all from the request's submission.
+
+Named adapters (``--adapters K ...``, issue 44; the http system only; ``--concurrency`` then defaults to 32): max(K)
+random rank-16 PEFT adapters a0, a1, ... are written once (``serve_adapters``) into ``--adapters-dir`` (else a
+temporary directory, removed at the end), and the ``--lora-modules`` arguments that serve them are printed, for a
+peer. Per K and level the conversations, drawn afresh per K as per level, go round-robin to a0..a{K-1} (each names
+its adapter as its ``model``; a multi_turn conversation keeps its adapter for all its turns). The server started here
+gets ``--lora-modules`` for all of them and ``--max-loras`` max(K), so every adapter stays in the engine; a server
+at ``--base-url`` must list them in GET /models. Before the first level one request per adapter pages each in. Each
+row gains ``adapters`` (K), ``adapters_answered`` (how many of a0..a{K-1} the responses' ``model`` names) and, with
+K = 1 among them, ``x_1_adapter`` (its throughput over one adapter's at that workload and concurrency).
 """
 
 from __future__ import annotations
@@ -43,14 +53,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
 import numpy as np
 
+from alchemist.bench import serve_adapters
 from alchemist.bench.chat_load import Chat, RequestResult, first_model_id, run_chats
 from alchemist.bench.latency import latency_fields
 from alchemist.bench.report import print_rows
+from alchemist.bench.serve_adapters import adapter_name
 from alchemist.bench.sharegpt import Conversation, shuffled_conversations
 
 SYSTEMS = ("transformers", "engine", "http")  # the order they run in
@@ -70,7 +82,8 @@ STARTUP_TIMEOUT_S = 300.0
 @dataclass
 class Plan:
     warmup: Chat  # sent before each system's first level, not measured
-    cells: dict[tuple[str, int], list[Chat]]  # (workload, concurrency) -> its conversations, in run order
+    # (workload, adapters K or None, concurrency) -> its conversations, in run order
+    cells: dict[tuple[str, int | None, int], list[Chat]]
     prompt_tokens: dict[str, list[int]]  # per workload: each turn's prompt length (estimated after the first)
 
 
@@ -112,19 +125,22 @@ def plan_workloads(args: argparse.Namespace, tokenizer) -> Plan:
     cells = {}
     for workload in args.workloads:
         pool: list[Chat] = []  # with --reuse-prompts, every level takes its conversations from the start of it
-        for c in sorted(set(args.concurrency)):
-            if not args.reuse_prompts:
-                pool = []
-            wanted = max(MIN_REQUESTS, args.requests_per_level * c)
-            chats: list[Chat] = []
-            # At least c conversations, or some of the c clients would have none to play.
-            while sum(len(chat.turns) for chat in chats) < wanted or len(chats) < c:
-                if len(chats) == len(pool):
-                    chat, lengths = draw(workload)
-                    pool.append(chat)
-                    prompt_tokens[workload] += lengths
-                chats.append(pool[len(chats)])
-            cells[(workload, c)] = chats
+        for k in args.adapters or [None]:
+            for c in sorted(set(args.concurrency)):
+                if not args.reuse_prompts:
+                    pool = []
+                wanted = max(MIN_REQUESTS, args.requests_per_level * c)
+                chats: list[Chat] = []
+                # At least c conversations, or some of the c clients would have none to play.
+                while sum(len(chat.turns) for chat in chats) < wanted or len(chats) < c:
+                    if len(chats) == len(pool):
+                        chat, lengths = draw(workload)
+                        pool.append(chat)
+                        prompt_tokens[workload] += lengths
+                    chats.append(pool[len(chats)])
+                if k is not None:  # round-robin over the adapters a0..a{k-1}
+                    chats = [replace(chat, model=adapter_name(i % k)) for i, chat in enumerate(chats)]
+                cells[(workload, k, c)] = chats
     return Plan(warmup, cells, prompt_tokens)
 
 
@@ -137,8 +153,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, max_num_seqs: int, max_model_len: int, data_dir: str):
-    """`alchemist serve` on a free port; (the process, its base URL with /v1) once /health answers."""
+def start_server(
+    args: argparse.Namespace, max_num_seqs: int, max_model_len: int, data_dir: str, extra: list[str] | None = None
+):
+    """`alchemist serve` (with the ``extra`` arguments) on a free port; (the process, its base URL with /v1) once
+    /health answers."""
     import httpx
 
     port = _free_port()
@@ -146,6 +165,7 @@ def start_server(args: argparse.Namespace, max_num_seqs: int, max_model_len: int
     cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     cmd += ["--data-dir", data_dir, *(["--model", args.model_path] if args.model_path else [])]
     cmd += ["--enforce-eager"] if args.enforce_eager else []
+    cmd += extra or []
     log = tempfile.NamedTemporaryFile(prefix="alchemist-bench-serve-", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -180,27 +200,44 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30) -> None:
 
 def bench_http(args: argparse.Namespace, plan: Plan) -> list[dict]:
     process, data_dir, base_url = None, None, args.base_url
-    if base_url is None:
-        data_dir = tempfile.mkdtemp(prefix="alchemist-bench-serve-data-")
-        max_model_len = args.max_prompt_tokens + args.max_tokens + CONTEXT_SLACK_TOKENS
-        process, base_url = start_server(args, max(args.concurrency), max_model_len, data_dir)
-    rows = []
+    names = [adapter_name(i) for i in range(max(args.adapters))] if args.adapters else []
+    adapters_dir, serve_extra, rows = None, [], []
     try:
+        if names:
+            adapters_dir, serve_extra = serve_adapters.prepare(len(names), args.adapters_dir, args.model_path)
+        if base_url is None:
+            data_dir = tempfile.mkdtemp(prefix="alchemist-bench-serve-data-")
+            max_model_len = args.max_prompt_tokens + args.max_tokens + CONTEXT_SLACK_TOKENS
+            process, base_url = start_server(args, max(args.concurrency), max_model_len, data_dir, serve_extra)
+            if names:
+                print(f"# the server holds all {len(names)} adapters (--max-loras {len(names)})", file=sys.stderr)
+        elif names:
+            serve_adapters.check_served(base_url, args.api_key, names)
         model = args.model or first_model_id(base_url, args.api_key)
         print(f"# http: {base_url}, model {model!r}", file=sys.stderr)
-        _, errors, _ = run_chats(base_url, model, [plan.warmup], WARMUP_TOKENS, 1, args.api_key)
+        warmup = [replace(plan.warmup, model=name) for name in names] or [plan.warmup]  # pages every adapter in
+        _, errors, _ = run_chats(base_url, model, warmup, WARMUP_TOKENS, len(warmup), args.api_key)
         if errors:
             raise RuntimeError(f"the warm-up request to {base_url} failed: {type(errors[0]).__name__}: {errors[0]}")
-        for (workload, c), chats in plan.cells.items():
+        for (workload, k, c), chats in plan.cells.items():
             results, errors, duration_s = run_chats(base_url, model, chats, args.max_tokens, c, args.api_key)
+            level = f"{workload}{'' if k is None else f' K={k}'} c={c}"
             for e in errors[:3]:
-                print(f"# http {workload} c={c}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
-            rows.append(summarize("http", workload, c, results, len(errors), duration_s))
+                print(f"# http {level}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append(summarize("http", workload, c, results, len(errors), duration_s, k))
+            if k is not None:
+                answered = {r.model for r in results}
+                rows[-1]["adapters_answered"] = len(answered & set(names[:k]))
+                if answered - set(names[:k]):
+                    print(f"# http {level}: answered by {sorted(map(str, answered - set(names[:k])))} too",
+                          file=sys.stderr)  # fmt: skip
             print_rows(rows[-1:], True, sys.stderr)
     finally:
         if process is not None:
             stop_process(process)
             shutil.rmtree(data_dir, ignore_errors=True)
+        if adapters_dir is not None and not args.adapters_dir:
+            shutil.rmtree(adapters_dir, ignore_errors=True)
     return rows
 
 
@@ -212,7 +249,7 @@ def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -
     device = resolve_device(args.device)
     loaded = load_model(args.model_path, dtype=resolve_dtype(args.dtype, device), device=device)
     template = lambda chat: loaded.tokenizer.user_prompt(chat.turns[0])
-    prompts = {c: [template(chat) for chat in chats] for (w, c), chats in plan.cells.items() if w == "first_turn"}
+    prompts = {c: [template(chat) for chat in chats] for (w, _, c), chats in plan.cells.items() if w == "first_turn"}
     warmup = template(plan.warmup)
     max_model_len = args.max_prompt_tokens + args.max_tokens
     levels = {
@@ -236,12 +273,14 @@ def bench_in_process(args: argparse.Namespace, plan: Plan, systems: list[str]) -
 
 
 def summarize(
-    system: str, workload: str, concurrency: int, results: list[RequestResult], failed: int, duration_s: float
+    system: str, workload: str, concurrency: int, results: list[RequestResult], failed: int, duration_s: float,
+    adapters: int | None = None,
 ) -> dict:
     tokens = sum(r.num_tokens for r in results)
     return {
         "system": system,
         "workload": workload,
+        **({} if adapters is None else {"adapters": adapters}),  # --adapters' rows only: the others keep their shape
         "concurrency": concurrency,
         "requests": len(results),
         "failed": failed,
@@ -254,19 +293,23 @@ def summarize(
 
 
 def add_ratios(rows: list[dict], bases: list[str]) -> None:
-    """Each row's throughput relative to each base system's at the same workload and concurrency."""
-    by = {(r["system"], r["workload"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    """Each row's throughput relative to each base system's at the same workload and concurrency; an adapter row's
+    also relative to one adapter's (K = 1), where that was measured."""
+    by = {(r["system"], r["workload"], r.get("adapters"), r["concurrency"]): r["output_tok_s"] for r in rows}
     for r in rows:
         for base in bases:
-            ref = by.get((base, r["workload"], r["concurrency"]))
+            ref = by.get((base, r["workload"], None, r["concurrency"]))
             r[f"x_{base}"] = round(r["output_tok_s"] / ref, 2) if ref else None
+        if "adapters" in r:
+            ref = by.get((r["system"], r["workload"], 1, r["concurrency"]))
+            r["x_1_adapter"] = round(r["output_tok_s"] / ref, 2) if ref else None
 
 
 def describe(args: argparse.Namespace, plan: Plan) -> str:
     """The note line: what was sent, and the machine it was measured on."""
     parts = []
     for workload in args.workloads:
-        chats = {id(chat): chat for (w, _), cell in plan.cells.items() if w == workload for chat in cell}
+        chats = {chat.turns: chat for (w, _, _), cell in plan.cells.items() if w == workload for chat in cell}
         lengths = plan.prompt_tokens[workload]
         parts.append(
             f"{workload}: {len(chats)} conversations, {sum(len(c.turns) for c in chats.values())} distinct turns, "
@@ -289,19 +332,25 @@ def describe(args: argparse.Namespace, plan: Plan) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for flag in ("concurrency", "requests_per_level", "max_tokens", "max_prompt_tokens"):
+    args.concurrency = args.concurrency or ([32] if args.adapters else [1, 8, 32])
+    for flag in ("concurrency", "requests_per_level", "max_tokens", "max_prompt_tokens", "adapters"):
         values = getattr(args, flag)
-        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+        if any(v < 1 for v in (values if isinstance(values, list) else [] if values is None else [values])):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {values}")
     for flag, values, known in (("systems", args.systems, SYSTEMS), ("workloads", args.workloads, WORKLOADS)):
         for value in values:
             if value not in known:
                 raise ValueError(f"--{flag}: unknown {value!r}; choose from {list(known)}")
+    if args.adapters and set(args.systems) != {"http"}:
+        raise ValueError("--adapters measures the http system only; leave out --systems engine and transformers")
+    if args.adapters_dir and not args.adapters:
+        raise ValueError("--adapters-dir is where --adapters K ... writes its adapters; give --adapters too")
     if set(args.systems) - {"http"} and "first_turn" not in args.workloads:
         raise ValueError("--systems engine and transformers run the first_turn workload only; add it to --workloads")
     if args.base_url is not None and urlparse(args.base_url).path in ("", "/"):
         args.base_url = args.base_url.rstrip("/") + "/v1"  # the OpenAI API's root, as a client's base_url has it
     args.workloads = list(dict.fromkeys(args.workloads))  # the order given, once each
+    args.adapters = list(dict.fromkeys(args.adapters)) if args.adapters else None
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY", "unused")
 
 

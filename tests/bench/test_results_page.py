@@ -97,3 +97,19 @@ def test_paper_rows_make_a_table_per_claim_with_the_papers_numbers(tmp_path):
     assert "| one | train | 0.5 | ttft_p99_ms on / off | **1.50** | <= 1.25 | not met |" in block
     assert "| one | train | 0.5 | slowest correction served s | **70.0** | <= 60 | not met |" in block
     assert block.endswith(f"![serving.png](results/{tmp_path.name}/serving.png)\n")
+
+
+def test_serve_adapters_rows_make_a_row_per_run_and_k_and_issue_44s_goals(tmp_path):
+    def row(k: int, tok_s: float) -> dict:
+        return {"system": "http", "workload": "first_turn", "adapters": k, "concurrency": 32, "output_tok_s": tok_s,
+                "ttft_p50_ms": 500.0, "ttft_p99_ms": 900.0, "tpot_p50_ms": 60.0, "tpot_p99_ms": 80.0}  # fmt: skip
+
+    runs = {"ours.jsonl": [row(1, 400.0), row(16, 360.0)], "vllm.jsonl": [row(1, 380.0), row(16, 380.0)]}
+    for name, rows in runs.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = {"runs": {"ours": ["ours.jsonl"], "vLLM": ["vllm.jsonl"]}, "ours": "ours", "reference": "vLLM"}
+    block = results_page.serve_adapters_block(meta, tmp_path)
+    assert "| ours | first_turn | 16 | 32 | 360.0 | 500.0 / 900.0 | 60.0 / 80.0 |" in block
+    assert "| first_turn | 16 | 32 | ours: 16 adapters / 1 | **0.90** | >= 0.85 | met |" in block
+    assert "| first_turn | 1 | 32 | ours / vLLM | **1.05** | >= 1.0 | met |" in block
+    assert "| first_turn | 16 | 32 | ours / vLLM | **0.95** | >= 1.0 | not met |" in block
