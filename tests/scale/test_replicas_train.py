@@ -91,8 +91,7 @@ def test_a_replica_killed_while_training_comes_back_at_the_current_version(front
     for i in range(3):  # served through the survivor meanwhile
         assert replica_of(ask(front.base_url, f"Say hello {i}.")["id"]) == survivor["id"]
     wait_replicas(front, 2, changed_pid=victim["pid"])
-    back = wait_training(front, after_generation=survivor["generation"] + 1)  # without the dead one, then with it
-    assert back[0]["pid"] != victim["pid"] and back[0]["adapter_version"] == back[1]["adapter_version"], back
+    wait_training(front, after_generation=survivor["generation"] + 2)  # without the dead one, then with it again
     deadline = time.monotonic() + TRAIN_TIMEOUT_S
     while time.monotonic() < deadline:
         entries = {e["id"]: e for e in httpx.get(front.base_url + "/v1/feedback", timeout=30).json()["data"]}
@@ -100,7 +99,7 @@ def test_a_replica_killed_while_training_comes_back_at_the_current_version(front
         assert all(entries[i]["state"] in ("queued", "trained") for i in acknowledged), entries
         states = replicas(front)
         trained = {entries[i]["trained_version"] for i in acknowledged}
-        if None not in trained and len({r["adapter_version"] for r in states}) == 1:
+        if None not in trained and len({r["adapter_version"] for r in states}) == 1:  # the restarted one caught up
             break
         time.sleep(1.0)
     else:

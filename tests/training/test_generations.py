@@ -40,7 +40,9 @@ def _replica(index: int, phase: str, address: str, model_dir: str, out_dir: str)
         os._exit(0)  # no goodbye: the others find out at their next collective
     if phase == "both":
         torch.save(side.seen(), Path(out_dir) / "after-first.pt")
-    while not (lockstep.joined and lockstep.generation == 3):  # alone in generation 2, then with the new replica
+    # Alone in generation 2, then with the new replica, until generation 3's regroup (and catch-up) has ended: the
+    # agreement on idleness below is a collective outside the loop's rounds, so both must come to it between rounds.
+    while not (lockstep.joined and lockstep.generation == 3) or side.trainer.in_batch:
         if side.trainer.has_work():  # as the server's time share asks before each slice
             side.trainer.run_slice()
     side.log([(i, pairs[i]) for i in SECOND[index]])
