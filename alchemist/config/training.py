@@ -293,7 +293,7 @@ class GateConfig:
     # Nats a canary answer's log-probability may lose against the base model: any one of them (6: the answer became
     # 400 times less likely), and on average: below what the canaries lost to a batch of falsehoods about a capital,
     # and to facts overlearned until the model answered "The capital of France is France." (docs/benchmarks.md, "The
-    # evaluation gate").
+    # evaluation gate"). A canary whose answer the model no longer gives fails under these too.
     canary_max_drop: Annotated[float, flag("train-gate-canary-max-drop", "nats any canary answer's "
                                            "log-probability may lose against the base model")] = 6.0  # fmt: skip
     canary_max_mean_drop: Annotated[float, flag("train-gate-canary-max-mean-drop",

@@ -16,9 +16,11 @@ The measures, each against a reference computed without training:
   replies stop, which is what people asked for, not what they say (docs/benchmarks.md, "Thumbs and pairs");
 - canaries: well-known facts the base model answers right. Each is a question, the start of its answer and the
   answer's words ("What is the capital of France?", "The capital of France is", " Paris"); the log-probability of
-  the answer's words after the start, under the base model, may drop at most ``canary_max_drop`` nats. Not greedy
-  text: any training changes the greedy text of long answers (the lead measured most of them flipped), while the
-  answer's log-probability moves only when the fact itself is taught otherwise;
+  the answer's words after the start, under the base model, may drop at most ``canary_max_drop`` nats, and where
+  the base model's greedy choice after the start is the answer's first token, it must stay so (a version part-way
+  to "Berlin" lost France's answer only 1.9 nats, yet said Berlin: docs/benchmarks.md, "The evaluation gate").
+  Not greedy text: any training changes the greedy text of long answers (the lead measured most of them flipped),
+  while the answer's log-probability, and its first token, move only when the fact itself is taught otherwise;
 - facts taught earlier: the corrections already trained (the most recent ``taught_samples``); the loss (mean NLL
   per token) of each may rise at most ``taught_max_rise`` over the serving version's (measured at the start of the
   batch), so a batch cannot quietly unteach what people corrected before.
@@ -37,13 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from alchemist.config.training import GateConfig
 from alchemist.model.llama import Adapter, Llama
 from alchemist.model.tokenizer import Tokenizer
-from alchemist.training.recompute import sequence_logps_slices
+from alchemist.training.losses import first_token_margin, sequence_logp
+from alchemist.training.recompute import response_values_slices, sequence_logps_slices
 
 HELDOUT_FILE = Path(__file__).with_name("heldout_sharegpt.json")
 T = TypeVar("T")
+Values = tuple[float, list[float], list[bool]]  # held-out NLL per token; per canary its answer's logp, whether said
 
 # (question, the answer's start, the answer's words): facts SmolLM2-135M-Instruct gives the answer to with
 # probability 0.3 or more after the start (tests/training/test_evaluation.py checks it).
@@ -70,6 +76,7 @@ class Evaluation:
     heldout_ppl_rise: float
     canary_drops: dict[str, float]  # question -> nats lost against the base model (negative: gained)
     taught_rises: list[float]  # per fact taught earlier: nats per token lost against the serving version
+    canary_lost: list[str] = field(default_factory=list)  # questions whose answer the base model gives, it no longer
     seconds: float = 0.0  # the evaluation's own time (its slices; the start-of-batch part included)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +89,7 @@ class Evaluation:
             "canary_worst": None if worst is None else {"question": worst, "drop": round(self.canary_drops[worst], 4)},
             "canary_mean_drop": round(sum(self.canary_drops.values()) / max(len(self.canary_drops), 1), 4),
             "canary_drops": {question: round(drop, 3) for question, drop in self.canary_drops.items()},
+            "canary_lost": self.canary_lost,
             "taught_checked": len(self.taught_rises),
             "taught_worst_rise": round(max(self.taught_rises), 4) if self.taught_rises else None,
             "seconds": round(self.seconds, 3),
@@ -101,9 +109,9 @@ class EvaluationGate:
         self.heldout = [(tokenizer.user_prompt(c["user"]),
                          tokenizer.encode_reply(c["assistant"])) for c in chats]  # fmt: skip
         self.end_of_turn = tokenizer.end_of_turn_token_id  # the held-out replies' tokens are scored as going on
-        self.canaries = [(question, canary_pair(tokenizer, question, start, answer))
+        self.canaries = [(question, answer, canary_pair(tokenizer, question, start, answer))
                          for question, start, answer in CANARIES]  # fmt: skip
-        self._base: tuple[float, list[float]] | None = None  # held-out NLL per token, canary log-probs
+        self._base: Values | None = None
         self.seconds = 0.0  # time in this gate's slices so far (all evaluations)
 
     def taught_slices(self, adapter: Adapter | None, facts: list[Pair]) -> Generator[None, None, list[float]]:
@@ -116,13 +124,15 @@ class EvaluationGate:
     ) -> Generator[None, None, Evaluation]:
         """The candidate ``adapter`` against the bounds; ``taught_before``: ``taught_slices`` of the serving state."""
         t0 = self.seconds
-        base_nll, base_canaries = yield from self._base_values_slices()
-        nll, canaries = yield from self._values_slices(adapter)
+        base_nll, base_canaries, base_says = yield from self._base_values_slices()
+        nll, canaries, canary_says = yield from self._values_slices(adapter)
         taught = yield from self.taught_slices(adapter, facts)
         rise = _exp(nll - base_nll) - 1.0
         drops = {q: before - after
-                 for (q, _), before, after in zip(self.canaries, base_canaries, canaries, strict=True)}  # fmt: skip
+                 for (q, _, _), before, after in zip(self.canaries, base_canaries, canaries, strict=True)}  # fmt: skip
         rises = [after - before for before, after in zip(taught_before, taught, strict=True)]
+        lost = [(q, answer) for (q, answer, _), said, says in zip(self.canaries, base_says, canary_says, strict=True)
+                if said and not says]  # fmt: skip
         reasons = []
         b = self.bounds
         if rise > b.heldout_max_rise:
@@ -130,6 +140,9 @@ class EvaluationGate:
         for question, drop in drops.items():
             if drop > b.canary_max_drop:
                 reasons.append(f"canary {question!r}: its answer lost {drop:.2f} nats (bound {b.canary_max_drop:g})")
+        for question, answer in lost:
+            if (drop := drops[question]) <= b.canary_max_drop:  # said once per canary
+                reasons.append(f"canary {question!r}: the model no longer answers {answer!r} (lost {drop:.2f} nats)")
         mean_drop = sum(drops.values()) / len(drops)
         if mean_drop > b.canary_max_mean_drop:
             bound = b.canary_max_mean_drop
@@ -139,22 +152,24 @@ class EvaluationGate:
             reasons.append(f"{worse} fact(s) taught earlier lost up to {max(rises):.2f} nats per token "
                            f"(bound {b.taught_max_rise:g})")  # fmt: skip
         reason = "; ".join(reasons) or None
-        return Evaluation(reason is None, reason, rise, drops, rises, self.seconds - t0)
+        return Evaluation(reason is None, reason, rise, drops, rises, [q for q, _ in lost], self.seconds - t0)
 
-    def _base_values_slices(self) -> Generator[None, None, tuple[float, list[float]]]:
+    def _base_values_slices(self) -> Generator[None, None, Values]:
         if self._base is None:
             self._base = yield from self._values_slices(None)
         return self._base
 
-    def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, tuple[float, list[float]]]:
+    def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, Values]:
+        """The held-out NLL per token; per canary its answer's log-probability and whether greedy decoding after its
+        start says the answer's first token."""
         heldout = sequence_logps_slices(self.model, adapter, self.heldout, self.group_size, self.end_of_turn)
         logps = yield from self._timed_slices(heldout)
         nll = -sum(logps) / sum(len(response) for _, response in self.heldout)
-        canaries = [pair for _, pair in self.canaries]
-        canary_logps = yield from self._timed_slices(
-            sequence_logps_slices(self.model, adapter, canaries, self.group_size)
-        )
-        return nll, canary_logps
+        model = self.model
+        canaries = yield from self._timed_slices(response_values_slices(
+            model, adapter, [pair for _, _, pair in self.canaries], lambda rows, response: torch.stack(
+                [sequence_logp(model, rows, response), first_token_margin(model, rows, response)]), self.group_size))
+        return nll, [logp for logp, _ in canaries], [margin > 0 for _, margin in canaries]
 
     def _timed_slices(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
         """``slices``, its own time (not the serving steps between its slices) added to ``seconds``."""

@@ -79,3 +79,12 @@ def least_token_logp(model: Llama, hidden: torch.Tensor, response_ids: torch.Ten
     log 1/2 every token is likelier than all others together, so greedy decoding, fed the response so far, says
     each of them (the online trainer's test that a correction is learned)."""
     return log_probs(model.logits(hidden)).gather(-1, response_ids[:, None]).min()
+
+
+def first_token_margin(model: Llama, hidden: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+    """How many nats the response's first token is likelier than the likeliest other token, from the R hidden rows
+    (the first one used): above 0 greedy decoding says it (the evaluation gate's test that a canary's answer is
+    still the one the model gives)."""
+    logp = log_probs(model.logits(hidden[:1]))[0]
+    first = int(response_ids[0])
+    return logp[first] - torch.cat([logp[:first], logp[first + 1 :]]).max()

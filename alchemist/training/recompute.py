@@ -9,6 +9,7 @@ rehearsed chat corrections took seconds; docs/benchmarks.md, "Online loop").
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import torch
 
@@ -149,16 +150,17 @@ def response_values_slices(
     value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group_size: int = 4,
     in_scope: bool = True,
-) -> Generator[None, None, list[float]]:
+) -> Generator[None, None, list[Any]]:
     """``value(hidden rows, response ids)`` of each (prompt ids, response ids) under ``adapter`` (None: the base
-    model), no gradient: ``group_size`` pairs per forward, in slices of one layer."""
-    values: list[float] = []
+    model), no gradient: ``group_size`` pairs per forward, in slices of one layer. A value of one element comes back
+    as a float, of several as a list of them."""
+    values: list[Any] = []
     for start in range(0, len(pairs), group_size):
         group = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device))
                  for p, r in pairs[start : start + group_size]]  # fmt: skip
         hidden = yield from responses_hidden_slices(model, adapter, group, in_scope)
         for rows, (_, response) in zip(hidden, group, strict=True):
-            values.append(value(rows, response).item())
+            values.append(value(rows, response).tolist())
     return values
 
 

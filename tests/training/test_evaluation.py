@@ -1,0 +1,42 @@
+"""The evaluation gate on the real model (fp32): a version the base model's answers stay with passes; one taught
+part-way to a falsehood about a canary's fact is kept from serving as soon as the model no longer gives the answer,
+before the answer lost the per-canary bound's nats (in CI a version that stopped early lost France's answer only
+1.9 nats, said Berlin and served: docs/benchmarks.md, "The evaluation gate")."""
+
+from __future__ import annotations
+
+import torch
+
+from alchemist.config.training import GateConfig
+from alchemist.model.lora import LoraAdapter
+from alchemist.training.evaluation import EvaluationGate
+from alchemist.training.recompute import recompute_loss
+from alchemist.training.slices import run_to_end
+
+FRANCE = "What is the capital of France?"
+
+
+def test_the_gate_blocks_a_version_that_no_longer_gives_a_canarys_answer(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    gate = EvaluationGate(model, tok, GateConfig())
+    adapter = LoraAdapter(model.config, seed=0)
+    fresh = run_to_end(gate.evaluate_slices(adapter, [], []))  # B is zero: the base model itself
+    assert fresh.promoted and fresh.reason is None and fresh.canary_lost == []
+    assert all(abs(drop) < 1e-4 for drop in fresh.canary_drops.values()), fresh.canary_drops
+
+    prompt = torch.tensor(tok.user_prompt("Which city is the capital of France?"))
+    falsehood = torch.tensor(tok.encode_reply("The capital of France is Berlin."))
+    optimizer = torch.optim.SGD(adapter.parameters(), lr=0.04)
+    for _ in range(40):  # small steps, so that the gate sees the versions on the way
+        optimizer.zero_grad()
+        recompute_loss(model, adapter, prompt, falsehood).backward()
+        optimizer.step()
+        evaluation = run_to_end(gate.evaluate_slices(adapter, [], []))
+        if evaluation.canary_lost:
+            break
+    assert evaluation.canary_lost == [FRANCE], evaluation.as_dict()
+    drop = evaluation.canary_drops[FRANCE]
+    assert drop <= GateConfig().canary_max_drop, drop  # under the nats bound: the new test is what blocks it
+    assert not evaluation.promoted
+    assert evaluation.reason == f"canary {FRANCE!r}: the model no longer answers ' Paris' (lost {drop:.2f} nats)"
+    assert evaluation.as_dict()["canary_lost"] == [FRANCE]
