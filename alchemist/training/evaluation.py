@@ -17,8 +17,9 @@ The measures, each against a reference computed without training:
 - canaries: well-known facts the base model answers right. Each is a question, the start of its answer and the
   answer's words ("What is the capital of France?", "The capital of France is", " Paris"); the log-probability of
   the answer's words after the start, under the base model, may drop at most ``canary_max_drop`` nats, and where
-  the base model's greedy choice after the start is the answer's first token, it must stay so (a version part-way
-  to "Berlin" lost France's answer only 1.9 nats, yet said Berlin: docs/benchmarks.md, "The evaluation gate").
+  the base model gives the answer's first token confidently (``CONFIDENT_NATS`` likelier than any other), it must
+  stay the greedy choice (a version part-way to "Berlin" lost France's answer only 1.9 nats, yet said Berlin:
+  docs/benchmarks.md, "The evaluation gate").
   Not greedy text: any training changes the greedy text of long answers (the lead measured most of them flipped),
   while the answer's log-probability, and its first token, move only when the fact itself is taught otherwise;
 - facts taught earlier: the corrections already trained (the most recent ``taught_samples``); the loss (mean NLL
@@ -49,7 +50,11 @@ from alchemist.training.recompute import response_values_slices, sequence_logps_
 
 HELDOUT_FILE = Path(__file__).with_name("heldout_sharegpt.json")
 T = TypeVar("T")
-Values = tuple[float, list[float], list[bool]]  # held-out NLL per token; per canary its answer's logp, whether said
+# A canary answer's first token this many nats likelier than any other under the base model (20 times) must stay the
+# greedy choice: six of the twelve, 3.3-6.4 nats; France's (4.7) flipped to Berlin 1.7-1.9 nats into a falsehood, the
+# ocean's (0.9) under thumbs for shorter answers 1.5 nats down (docs/benchmarks.md, "The evaluation gate").
+CONFIDENT_NATS = 3.0
+Values = tuple[float, list[float], list[float]]  # held-out NLL per token; per canary its answer's logp, its margin
 
 # (question, the answer's start, the answer's words): facts SmolLM2-135M-Instruct gives the answer to with
 # probability 0.3 or more after the start (tests/training/test_evaluation.py checks it).
@@ -76,7 +81,7 @@ class Evaluation:
     heldout_ppl_rise: float
     canary_drops: dict[str, float]  # question -> nats lost against the base model (negative: gained)
     taught_rises: list[float]  # per fact taught earlier: nats per token lost against the serving version
-    canary_lost: list[str] = field(default_factory=list)  # questions whose answer the base model gives, it no longer
+    canary_lost: list[str] = field(default_factory=list)  # questions whose confident answer it no longer gives
     seconds: float = 0.0  # the evaluation's own time (its slices; the start-of-batch part included)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -124,15 +129,15 @@ class EvaluationGate:
     ) -> Generator[None, None, Evaluation]:
         """The candidate ``adapter`` against the bounds; ``taught_before``: ``taught_slices`` of the serving state."""
         t0 = self.seconds
-        base_nll, base_canaries, base_says = yield from self._base_values_slices()
-        nll, canaries, canary_says = yield from self._values_slices(adapter)
+        base_nll, base_canaries, base_margins = yield from self._base_values_slices()
+        nll, canaries, margins = yield from self._values_slices(adapter)
         taught = yield from self.taught_slices(adapter, facts)
         rise = _exp(nll - base_nll) - 1.0
         drops = {q: before - after
                  for (q, _, _), before, after in zip(self.canaries, base_canaries, canaries, strict=True)}  # fmt: skip
         rises = [after - before for before, after in zip(taught_before, taught, strict=True)]
-        lost = [(q, answer) for (q, answer, _), said, says in zip(self.canaries, base_says, canary_says, strict=True)
-                if said and not says]  # fmt: skip
+        lost = [(q, answer) for (q, answer, _), before, after in zip(self.canaries, base_margins, margins, strict=True)
+                if before >= CONFIDENT_NATS and after <= 0]  # fmt: skip
         reasons = []
         b = self.bounds
         if rise > b.heldout_max_rise:
@@ -160,8 +165,8 @@ class EvaluationGate:
         return self._base
 
     def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, Values]:
-        """The held-out NLL per token; per canary its answer's log-probability and whether greedy decoding after its
-        start says the answer's first token."""
+        """The held-out NLL per token; per canary its answer's log-probability and its first token's margin over
+        the likeliest other after its start (above 0: greedy decoding says it)."""
         heldout = sequence_logps_slices(self.model, adapter, self.heldout, self.group_size, self.end_of_turn)
         logps = yield from self._timed_slices(heldout)
         nll = -sum(logps) / sum(len(response) for _, response in self.heldout)
@@ -169,7 +174,7 @@ class EvaluationGate:
         canaries = yield from self._timed_slices(response_values_slices(
             model, adapter, [pair for _, _, pair in self.canaries], lambda rows, response: torch.stack(
                 [sequence_logp(model, rows, response), first_token_margin(model, rows, response)]), self.group_size))
-        return nll, [logp for logp, _ in canaries], [margin > 0 for _, margin in canaries]
+        return nll, [logp for logp, _ in canaries], [margin for _, margin in canaries]
 
     def _timed_slices(self, slices: Generator[None, None, T]) -> Generator[None, None, T]:
         """``slices``, its own time (not the serving steps between its slices) added to ``seconds``."""
