@@ -5,7 +5,9 @@
 
 It serves nothing itself but ``GET /v1/replicas`` (admin) and its own ``/metrics``; every other request passes
 through to a replica, as it came (keys included: each replica checks them as one server does), and its answer comes
-back as the replica gave it, streamed chunk by chunk. Where a request goes:
+back as the replica gave it, streamed chunk by chunk. A key's limits (``alchemist.server.limits``: its request and
+feedback rates, its streams) are taken here, over all replicas together, before a request passes: a replica takes
+them too, over what reaches it, which never refuses what the front let through. Where a request goes:
 
 - completions and chat completions: to the replica its conversation was first sent to (the prefix cache holds its
   earlier turns there), unless that one has ``AFFINITY_SLACK`` more requests in flight than the least loaded, then
@@ -33,7 +35,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -41,10 +43,14 @@ import httpx
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from alchemist.config import ServerConfig
 from alchemist.scale.replica import ReplicaInfo, replica_of
-from alchemist.server.auth import Caller, KeyStore, admin, metrics_reader
+from alchemist.server.app import error_response
+from alchemist.server.auth import Caller, KeyStore, admin, bearer, metrics_reader, user
+from alchemist.server.errors import AuthenticationError, PermissionDeniedError, RateLimitError
+from alchemist.server.limits import KeyLimits, LimitConfig
 from alchemist.training.generations import Generations
 
 log = logging.getLogger(__name__)
@@ -232,7 +238,14 @@ def create_front(replicas: ReplicaSet, server_config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="alchemist front", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.keys = KeyStore(server_config.api_key, server_config.api_keys_file)
+    app.state.limits = KeyLimits(LimitConfig.of(server_config), record_bytes_per_token=0)  # records: per replica
     app.state.server_config = server_config
+
+    async def handle(request: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    for exc_class in (AuthenticationError, PermissionDeniedError, RateLimitError, StarletteHTTPException):
+        app.add_exception_handler(exc_class, handle)
 
     @app.get("/v1/replicas")
     async def list_replicas(caller: Caller = Depends(admin)) -> dict:
@@ -244,7 +257,13 @@ def create_front(replicas: ReplicaSet, server_config: ServerConfig) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(request: Request, path: str) -> Response:
-        return await _forward(request, replicas, client)
+        body = await request.body()
+        close_stream = await _admit(request, body)
+        try:
+            return await _forward(request, body, replicas, client, close_stream)
+        except BaseException:
+            close_stream()
+            raise
 
     return app
 
@@ -268,9 +287,37 @@ def _describe(handle: Handle) -> dict:
     }
 
 
-async def _forward(request: Request, replicas: ReplicaSet, client: httpx.AsyncClient) -> Response:
+async def _admit(request: Request, body: bytes) -> Callable[[], None]:
+    """The caller's limits over all replicas: a completion within its key's request rate and, streamed, its streams
+    (returns what closes the stream), feedback within its feedback rate; 401, 429 as one server answers them."""
     path = "/" + request.url.path.lstrip("/")
-    body = await request.body()
+    if request.method != "POST" or (path not in ROUTED and path != "/v1/feedback"):
+        return _nothing
+    caller = await user(request, await bearer(request))
+    limits: KeyLimits = request.app.state.limits
+    if path == "/v1/feedback":
+        limits.admit_feedback(caller)
+        return _nothing
+    limits.admit_request(caller)
+    return limits.open_stream(caller) if _streamed(body) else _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+def _streamed(body: bytes) -> bool:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return False  # a replica answers the 400
+    return isinstance(payload, dict) and payload.get("stream") is True
+
+
+async def _forward(
+    request: Request, body: bytes, replicas: ReplicaSet, client: httpx.AsyncClient, close_stream: Callable[[], None]
+) -> Response:
+    path = "/" + request.url.path.lstrip("/")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
     affinity, response_id = affinity_of(path, body), response_id_of(path, body)
     tried: set[int] = set()
@@ -283,6 +330,7 @@ async def _forward(request: Request, replicas: ReplicaSet, client: httpx.AsyncCl
             else:
                 handle, reason = replicas.stable(tried), "stable"
         except NoReplicaError as e:
+            close_stream()
             return Response(error_body(str(e)), status_code=503, media_type="application/json")
         assert handle.info is not None and handle.info.url is not None
         url = handle.info.url + path + (f"?{request.url.query}" if request.url.query else "")
@@ -297,13 +345,15 @@ async def _forward(request: Request, replicas: ReplicaSet, client: httpx.AsyncCl
             continue
         replicas.routed.labels(str(handle.index), reason).inc()
         return StreamingResponse(
-            _relay(response, handle, replicas),
+            _relay(response, handle, replicas, close_stream),
             status_code=response.status_code,
             headers={k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS},
         )
 
 
-async def _relay(response: httpx.Response, handle: Handle, replicas: ReplicaSet) -> AsyncIterator[bytes]:
+async def _relay(
+    response: httpx.Response, handle: Handle, replicas: ReplicaSet, close_stream: Callable[[], None]
+) -> AsyncIterator[bytes]:
     """The replica's answer as it comes; if the replica dies mid-stream, an error event (the stream's own format:
     server-sent events) and the end."""
     try:
@@ -316,4 +366,5 @@ async def _relay(response: httpx.Response, handle: Handle, replicas: ReplicaSet)
         yield b"data: " + error_body(message, "internal_server_error", "replica_lost") + b"\n\n"
     finally:
         handle.in_flight -= 1
+        close_stream()
         await response.aclose()

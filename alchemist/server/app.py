@@ -245,15 +245,9 @@ def _named_adapters(system: System) -> NamedAdapters:
 
 
 def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:
-    defaults = LimitConfig(
-        requests_per_minute=config.requests_per_minute,
-        feedback_per_minute=config.feedback_per_minute,
-        max_streams=config.max_streams_per_key,
-        record_mb_per_hour=config.record_mb_per_hour,
-    )
     recorder = engine.recorder  # a record's size: its prompt's tokens x this (None: nothing is ever recorded)
     per_token = record_bytes_per_token(engine.model.config, recorder.dtype) if recorder is not None else 0
-    return KeyLimits(defaults, per_token)
+    return KeyLimits(LimitConfig.of(config), per_token)
 
 
 def app_urls(server_config: ServerConfig) -> str:

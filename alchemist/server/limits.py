@@ -18,11 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 
 from alchemist.server.auth import Caller, user
 from alchemist.server.errors import RateLimitError
+
+if TYPE_CHECKING:
+    from alchemist.config import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,12 @@ class LimitConfig:
     feedback_per_minute: float = 0.0
     max_streams: float = 0.0
     record_mb_per_hour: float = 2048.0
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> LimitConfig:
+        """The server's defaults for every key."""
+        return cls(config.requests_per_minute, config.feedback_per_minute, config.max_streams_per_key,
+                   config.record_mb_per_hour)  # fmt: skip
 
     def for_caller(self, caller: Caller) -> LimitConfig:
         return LimitConfig(**{**self.__dict__, **caller.limits})
