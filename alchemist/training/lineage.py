@@ -37,7 +37,7 @@ from alchemist.training.evaluation import Evaluation
 from alchemist.training.feedback_queue import FeedbackQueue
 from alchemist.training.quarantine import Quarantine
 from alchemist.training.rank_split import RankSplit, widen
-from alchemist.training.regression import find_regression, ratings_by_version
+from alchemist.training.regression import Regression, find_regression, ratings_by_version
 from alchemist.training.seams import AdapterPublisher
 from alchemist.training.slices import run_to_end
 from alchemist.training.taught import taught_corrections
@@ -330,14 +330,21 @@ class Lineage:
     def watch_regressions(self) -> None:
         """Between batches: serving goes back past versions its users rate clearly worse than those before them
         (``alchemist.training.regression``)."""
+        found = self.regression()
+        if found is not None:
+            self.serve_again(found.target, found.metrics)
+
+    def regression(self) -> Regression | None:
+        """The versions served since the last rollback that users rate clearly worse than those before them, if
+        any, and the version before them still kept (its ``metrics``: the rollback's, ``serve_again``'s)."""
         if self.watch.min_ratings <= 0:
-            return
+            return None
         per_key = max(1, math.ceil(self.key_share * self.watch.min_ratings))
         found = find_regression(self._served_in_turn(), ratings_by_version(self.log.ratings(), per_key), self.watch)
         if found is None or not self.kept(found.target):
-            return
-        version = self.serve_again(found.target, {"rollback_of": found.target, "regression": found.reason})
-        logger.warning("adapter version %d serves version %d again: %s", version, found.target, found.reason)
+            return None
+        logger.warning("adapter version %d serves again: %s", found.target, found.reason)
+        return found
 
     def _served_in_turn(self) -> list[int]:
         """The versions served one after another since the last rollback (or since the base model, while every

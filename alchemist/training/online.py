@@ -68,6 +68,7 @@ from alchemist.training.lockstep import Lockstep
 from alchemist.training.protected import ProtectedSubspace
 from alchemist.training.quarantine import PoisoningGuard, Quarantine
 from alchemist.training.rank_split import RankSplit
+from alchemist.training.regression import Regression
 from alchemist.training.rehearsal import Rehearsal
 from alchemist.training.seams import AdapterPublisher, RecordSource
 from alchemist.training.stopping import Stopping
@@ -245,31 +246,39 @@ class OnlineTrainer:
     # --- one mini-batch ------------------------------------------------------------------------------------------
 
     def _round_slices(self) -> Generator[None, None, None]:
-        """A round of the replicas in lockstep: a rollback if any of them was asked one, else a batch if any has
-        one ready, each with its own (maybe none). (Regressions are not watched in lockstep: not built yet.)"""
+        """A round of the replicas in lockstep: a rollback if any of them was asked one or the leader found a
+        regression (it watches for all: the replicas share the log and serve the same versions), else a batch if
+        any has one ready, each with its own (maybe none)."""
         assert self.lockstep is not None
         ready = self._batch_ready()
-        busy, rollback = yield from self.lockstep.round_slices(ready, self.lineage.rollbacks_asked)
+        regression = self.lineage.regression() if self.lockstep.leader else None
+        asked = self.lineage.rollbacks_asked or regression is not None
+        busy, rollback = yield from self.lockstep.round_slices(ready, asked)
         if rollback:
-            yield from self._rollback_slices()
+            yield from self._rollback_slices(regression)
         elif busy:
             yield from self._train_slices(self.queue.head() if ready else [])
 
-    def _rollback_slices(self) -> Generator[None, None, None]:
-        """A rollback in lockstep: the first rank's asked for, on every replica that keeps that version; one that
-        does not (it joined later) takes the new version from one that does (``catch_up_slices``)."""
+    def _rollback_slices(self, regression: Regression | None) -> Generator[None, None, None]:
+        """A rollback in lockstep: the first rank's asked for (or, asked none, the leader's ``regression``), on
+        every replica that keeps that version; one that does not (it joined later) takes the new version from one
+        that does (``catch_up_slices``)."""
         assert self.lockstep is not None
         asked = self.lineage.rollback_asked()  # this replica's oldest, if still kept
-        proposals = yield from self.lockstep.gather_slices(asked)
-        version = next((v for v in proposals if v is not None), None)
-        if version is None:  # the versions asked for were pushed out meanwhile (their askers were told)
+        own = (asked, {"rollback_of": asked}) if asked is not None else None
+        if own is None and regression is not None:
+            own = (regression.target, regression.metrics)
+        proposals = yield from self.lockstep.gather_slices(own)
+        chosen = next((p for p in proposals if p is not None), None)
+        if chosen is None:  # the versions asked for were pushed out meanwhile (their askers were told)
             return
+        version, metrics = chosen  # type: ignore[misc]
         if self.lineage.kept(version):
-            self.lineage.serve_again(version, {"rollback_of": version})
+            self.lineage.serve_again(version, metrics)
         state = yield from self.lockstep.catch_up_slices(self.version, self.lineage.state)
         if state is not None:
             yield from self.lineage.adopt_slices(state)  # type: ignore[arg-type]
-        if asked == version and proposals.index(version) == self.lockstep.data_parallel.rank:
+        if asked is not None and proposals.index(chosen) == self.lockstep.data_parallel.rank:
             self.lineage.rollback_done(self.version)
 
     def _regroup_slices(self) -> Generator[None, None, None]:

@@ -25,6 +25,11 @@ class Regression:
     target: int  # the version to serve again (0: the base model)
     reason: str
 
+    @property
+    def metrics(self) -> dict:
+        """What the version that serves ``target`` again keeps about why."""
+        return {"rollback_of": self.target, "regression": self.reason}
+
 
 def find_regression(
     lineage: list[int], ratings: dict[int, tuple[int, int]], bounds: RollbackConfig

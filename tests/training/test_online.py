@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from alchemist.config import OnlineConfig, TrainerConfig
 from alchemist.config.training import (
@@ -26,9 +27,12 @@ from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.training.checkpoint import AdapterCheckpoints
+from alchemist.training.data_parallel import DataParallel
 from alchemist.training.feedback_batch import FeedbackBatch
 from alchemist.training.feedback_queue import EMPTY
+from alchemist.training.generations import Generations
 from alchemist.training.lineage import as_trained
+from alchemist.training.lockstep import Lockstep
 from alchemist.training.online import OnlineTrainer
 from alchemist.training.recompute import recompute_loss
 from alchemist.training.slices import run_to_end as run_to_end_of
@@ -554,3 +558,40 @@ def test_a_version_its_users_rate_worse_is_rolled_back_between_batches(engine, t
     rate_served(engine, log, 4, -1, seed=3)
     drain(trainer)
     assert sum("rollback_of" in v.metrics for v in checkpoints.versions()) == 1
+
+
+def test_in_lockstep_the_leader_watches_and_the_round_rolls_back(engine, tmp_path):
+    """The watch in lockstep: the leader (rank 0) reads the shared log's ratings at a round's start and proposes the
+    rollback; the round makes it as it makes one asked for (on every replica: tests/training/test_generations.py),
+    here in a real group of one (gloo, formed from a published generation as the replicas' are)."""
+    generations = Generations.host("127.0.0.1")
+    generations.publish([0])
+    lockstep = Lockstep(DataParallel(torch.device("cpu")), 0.0, generations, 0, timeout_s=60)
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
+    checkpoints = AdapterCheckpoints(tmp_path / "adapters", keep=50)
+    config = tiny_loop_config(queue={"batch_size": 4}, stopping={"epochs": 1}, rollback={"min_ratings": 4, "z": 2.0})
+    trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log, checkpoints,
+                                        config, lockstep)  # fmt: skip
+
+    def rounds_until(done) -> None:
+        for _ in range(10_000):
+            if done() and not trainer.in_batch:
+                return
+            trainer.run_slice()
+        raise AssertionError("rounds did not get there")
+
+    try:
+        rate_served(engine, log, 4, +1, seed=1)  # the base model's answers: liked
+        rounds_until(lambda: not log.queued_seqs())
+        trained = engine.adapter_version
+        assert trained > 0 and lockstep.joined and lockstep.generation == 1
+        rate_served(engine, log, 4, -1, seed=2)  # the trained version's: disliked
+        rounds_until(lambda: any("rollback_of" in v.metrics for v in checkpoints.versions()))
+        rollback = next(v for v in checkpoints.versions() if "rollback_of" in v.metrics)
+        assert rollback.metrics["rollback_of"] == 0 and rollback.version == trained + 1
+        assert f"users rated versions {trained}..{trained} worse than 0..0" in rollback.metrics["regression"]
+        rounds_until(lambda: not log.queued_seqs())  # the disliked answers' batch, in a later round
+        assert checkpoints.latest().version == rollback.version + 1 == engine.adapter_version
+        assert {e.state for e in log.read()} == {"trained"}
+    finally:
+        dist.destroy_process_group()
