@@ -124,11 +124,13 @@ class FeedbackLog(Protocol):
         ...
 
     # The trainer's queue.
-    def next_queued(self, limit: int, per_key: int | None = None) -> list[FeedbackEntry]:
+    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
         """Up to ``limit`` queued entries in training order: released ones first (an admin is waiting for them),
-        then corrections, then the rest, oldest first. With ``per_key``, each key's first ``per_key`` entries in
-        that order come before any key's further ones (which fill what the others leave free), so one key takes at
-        most ``per_key`` places while others' feedback waits (entries without a key count as one key)."""
+        then corrections, then the rest; in each, with ``own``, the entries whose response id holds it first (a
+        replica's own responses, whose records it holds: ``alchemist.scale.replica.id_tag``); oldest first. With
+        ``per_key``, each key's first ``per_key`` entries in that order come before any key's further ones (which
+        fill what the others leave free), so one key takes at most ``per_key`` places while others' feedback waits
+        (entries without a key count as one key)."""
         ...
 
     def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:

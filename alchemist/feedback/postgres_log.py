@@ -152,8 +152,9 @@ class PostgresFeedbackLog:
             return self._one("SELECT * FROM feedback WHERE feedback_id = %s", (feedback_id,))
         return self._one("SELECT * FROM feedback WHERE idempotency_key = %s", (key,))
 
-    def next_queued(self, limit: int, per_key: int | None = None) -> list[FeedbackEntry]:
-        order = f"released_s IS NULL, {CLASS} != 'correction', seq"
+    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
+        mine = "strpos(response_id, %(own)s) = 0, " if own else ""
+        order = f"released_s IS NULL, {CLASS} != 'correction', {mine}seq"
         # The head in training order among the entries nobody else holds and not passed over (``skip``).
         head_query = (
             f"SELECT seq FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
@@ -167,7 +168,7 @@ class PostgresFeedbackLog:
         with self._lock:
             db = self._db()
             args: dict[str, Any] = {"me": self.owner, "per_key": per_key if per_key is not None else limit,
-                                    "limit": limit, "skip": []}  # fmt: skip
+                                    "limit": limit, "skip": [], "own": own}  # fmt: skip
             with db.transaction():
                 # Each round locks the head's rows not yet locked; those another claimant holds locked are passed
                 # over and the head is taken again without them, until every row of the head is this owner's.

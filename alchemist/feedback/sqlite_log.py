@@ -117,12 +117,13 @@ class SQLiteFeedbackLog:
         with self._lock:
             return self._find(key)
 
-    def next_queued(self, limit: int, per_key: int | None = None) -> list[FeedbackEntry]:
-        order = f"released_s IS NULL, {CLASS} != 'correction', seq"
+    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
+        mine = "instr(response_id, :own) = 0, " if own else ""
+        order = f"released_s IS NULL, {CLASS} != 'correction', {mine}seq"
         return self._all(
             f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
-            f"AS nth FROM feedback WHERE state = 'queued') ORDER BY nth > ?, {order} LIMIT ?",
-            (per_key if per_key is not None else limit, limit),
+            f"AS nth FROM feedback WHERE state = 'queued') ORDER BY nth > :per_key, {order} LIMIT :limit",
+            {"per_key": per_key if per_key is not None else limit, "limit": limit, "own": own},
         )
 
     def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
@@ -244,7 +245,7 @@ class SQLiteFeedbackLog:
             row = self._conn.execute(query, args).fetchone()
         return None if row is None else entry_from_row(row)
 
-    def _all(self, query: str, args: tuple) -> list[FeedbackEntry]:
+    def _all(self, query: str, args: tuple | dict) -> list[FeedbackEntry]:
         with self._lock:
             rows = self._conn.execute(query, args).fetchall()
         return [entry_from_row(r) for r in rows]

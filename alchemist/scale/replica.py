@@ -127,6 +127,8 @@ class Replica:
             self._engine = system.engine
             app = create_app(system)
             app.state.serving.id_tag = id_tag(self.index)
+            if system.trainer is not None:  # its own responses' feedback first: it holds their records
+                system.trainer.queue.own = id_tag(self.index) + "-"
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
             http = threading.Thread(target=server.run, kwargs={"sockets": [self._sock]}, name="uvicorn", daemon=True)
             http.start()

@@ -55,6 +55,7 @@ class FeedbackQueue:
         self.on_new = on_new  # told of each entry appended after ``seen`` (the anchors leave its prompt alone)
         self.seen = 0
         self.skipped: dict[str, int] = {}  # entries this queue skipped, by class of reason ("empty", "backlog")
+        self.own: str | None = None  # a replica's: its responses' id tag, whose entries it trains first
         self._head: list[tuple[FeedbackEntry, Item]] = []  # the next entries in training order
         self._stale = True
         self._checked_s = 0.0
@@ -76,7 +77,7 @@ class FeedbackQueue:
         while self._stale:
             self._stale = False
             head, empty = [], []
-            for entry in self.log.next_queued(self.config.batch_size, self.config.per_key):
+            for entry in self.log.next_queued(self.config.batch_size, self.config.per_key, self.own):
                 it = item(entry, self.thumbs_up)
                 if it is None:
                     empty.append(entry.seq)

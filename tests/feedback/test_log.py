@@ -346,3 +346,15 @@ def test_one_key_takes_at_most_its_share_while_others_wait_and_fills_the_rest(lo
     assert [e.seq for e in log.next_queued(4, per_key=2)] == flood[2:]  # nobody else waits: the flood fills it
 
 
+def test_a_replica_takes_its_own_responses_feedback_first(log: FeedbackLog):
+    """``own``: a replica's responses' id tag (alchemist.scale.replica.id_tag); their entries, whose records it
+    holds, come first in their class (corrections still before ratings), then the others', oldest first."""
+    theirs = [log.append(**submission(f"chatcmpl-r0-{i}", key_name="alice"))[0].seq for i in range(3)]
+    mine = [log.append(**submission(f"chatcmpl-r1-{i}", key_name="bob"))[0].seq for i in range(2)]
+    fix = log.append(**submission("cmpl-r0-9", correction="Better.", key_name="alice"))[0].seq
+    assert [e.seq for e in log.next_queued(4)] == [fix, *theirs]  # no preference: corrections, then oldest
+    assert [e.seq for e in log.next_queued(4, own="-r1-")] == [fix, *mine, theirs[0]]
+    assert [e.seq for e in log.next_queued(6, per_key=2, own="-r1-")] == [fix, *mine, theirs[0], *theirs[1:]]
+    assert [e.seq for e in log.next_queued(2, own="-r7-")] == [fix, theirs[0]]  # none of its own: the others'
+
+
