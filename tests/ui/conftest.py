@@ -12,6 +12,9 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from alchemist.bench.serving import stop_process
+from alchemist.model.loader import hf_dir_for, read_config
+from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.model.peft_format import save_adapter
 from tests.server.conftest import ServerProcess, launch_server, wait_ready
 
 CHROMIUM = "/usr/bin/chromium"  # `apt-get install chromium` (make install-test)
@@ -28,10 +31,16 @@ localStorage.setItem("alchemist.settings", JSON.stringify({{...stored, maxTokens
 """
 
 
+ADAPTER = "team-a"  # a named adapter the server also serves (--lora-modules): the chat's choice of who answers
+
+
 @pytest.fixture(scope="module")
 def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log_dir = tmp_path_factory.mktemp("web-server")
-    server = launch_server("web", log_dir, log_dir / "data", FLAGS, dtype="auto")  # the default dtype: bf16 where fast
+    model_config = read_config(hf_dir_for(None))
+    save_adapter(LoraAdapter(model_config, LoraConfig(r=4, alpha=8), seed=3), log_dir / ADAPTER)
+    flags = [*FLAGS, "--lora-modules", f"{ADAPTER}={log_dir / ADAPTER}"]
+    server = launch_server("web", log_dir, log_dir / "data", flags, dtype="auto")  # the default dtype: bf16 where fast
     try:
         wait_ready(server)
         yield server

@@ -12,7 +12,7 @@ import httpx
 from playwright.sync_api import Page, expect
 
 from tests.server.conftest import ServerProcess
-from tests.ui.conftest import ARTIFACTS
+from tests.ui.conftest import ADAPTER, ARTIFACTS
 
 TRAIN_TIMEOUT_MS = 240_000
 
@@ -51,6 +51,7 @@ def test_reply_streams_and_a_correction_trains_into_a_new_version(open_page, web
     assert len(set(lengths)) >= 3, lengths  # painted piece by piece, not at once
     answer = page.locator(".answer").first
     expect(answer.locator(".version")).to_have_text("v0")
+    expect(answer.locator(".adapter")).to_be_hidden()  # the base model's shared adapter: no name shown
     response_id = answer.get_attribute("data-response-id")
 
     page.get_by_role("button", name="Bad answer").click()
@@ -78,6 +79,25 @@ def test_reply_streams_and_a_correction_trains_into_a_new_version(open_page, web
     dashboard.get_by_role("button", name="Roll back to v0").click()  # a rollback is published as a new version
     expect(dashboard.locator("#serving")).to_contain_text(f"Serving v{version + 1}")
     expect(dashboard.locator(f'#timeline li[data-version="{version + 1}"]')).to_contain_text("rollback to v0")
+
+
+def test_the_bar_chooses_who_answers_and_the_answer_names_its_adapter(open_page, web_server):
+    """The bar lists what the key may ask (GET /v1/models: the base model, then the adapters); an answer asked of
+    an adapter is written by it (the response's ``model``) and says so."""
+    page = open_page()
+    page.goto("/")
+    choice = page.get_by_label("Model")
+    expect(choice.locator("option")).to_have_text([web_server_model(web_server), ADAPTER])
+    choice.select_option(ADAPTER)
+    ask(page, "Say hello.")
+    wait_answers(page, 1)
+    answer = page.locator(".answer").first
+    expect(answer.locator(".adapter")).to_have_text(ADAPTER)
+    expect(answer.locator(".adapter")).to_have_attribute("title", f"Written by the adapter {ADAPTER}")
+
+
+def web_server_model(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def test_regenerate_and_choose_makes_a_preference(open_page, web_server):

@@ -86,15 +86,32 @@ function showKeyPrompt(message) {
 
 let modelPromise = null;
 
-// The served model's name (shown in the bar); asked again after a failure (e.g. before a key was entered).
-export function modelName() {
+// What the key may ask (GET /v1/models: the base model first, then the adapters it may name), shown in the bar: a
+// choice on the chat page where there are several, the base model's name on the dashboard. Asked again after a
+// failure (e.g. before a key was entered).
+export function models() {
   modelPromise ??= api("/v1/models").then((list) => {
-    const name = list.data[0]?.id;
-    document.getElementById("model").textContent = name || "";
-    return name;
+    const ids = list.data.map((card) => card.id);
+    const el = document.getElementById("model");
+    if (el.tagName === "SELECT") {
+      const kept = el.value;
+      el.replaceChildren(...ids.map((id) => new Option(id, id)));
+      if (ids.includes(kept)) el.value = kept;
+      el.disabled = ids.length < 2;
+    } else {
+      el.textContent = ids[0] || "";
+    }
+    return ids;
   });
   modelPromise.catch(() => { modelPromise = null; });
   return modelPromise;
+}
+
+// The model a new answer is asked of: the one chosen in the bar (the base model, or an adapter by its name).
+export async function chosenModel() {
+  const ids = await models();
+  const el = document.getElementById("model");
+  return (el.tagName === "SELECT" && el.value) || ids[0];
 }
 
 // The settings panel: every field is saved as it changes.
@@ -108,5 +125,5 @@ export function setupBar() {
       notice("");
     });
   }
-  modelName().catch((e) => notice(e.message));
+  models().catch((e) => notice(e.message));
 }

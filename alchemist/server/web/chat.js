@@ -1,6 +1,6 @@
 // The chat: streamed answers, and under each one the feedback the server learns from (👍 / 👎 with a comment, an
 // edit that becomes a correction, a regenerated second answer to choose from), with each entry's state kept live.
-import { api, modelName, notice, settings, setupBar, streamChat } from "./api.js";
+import { api, chosenModel, models, notice, settings, setupBar, streamChat } from "./api.js";
 
 const log = document.getElementById("log");
 const prompt = document.getElementById("prompt");
@@ -47,22 +47,29 @@ function answerView(label) {
   const answer = { id: null, text: "", version: null };
   answer.textEl = h("p", { class: "text" });
   answer.versionEl = h("span", { class: "version", hidden: true });
+  answer.adapterEl = h("span", { class: "adapter", hidden: true });
   answer.labelEl = h("div", { class: "answer-label", hidden: !label }, label || "");
   answer.chooseEl = h("button", { type: "button", hidden: true, class: "choose" });
   answer.el = h("div", { class: "bubble answer", "aria-busy": "true" },
-    answer.labelEl, answer.textEl, h("div", { class: "meta" }, answer.versionEl), answer.chooseEl);
+    answer.labelEl, answer.textEl, h("div", { class: "meta" }, answer.adapterEl, answer.versionEl), answer.chooseEl);
   return answer;
 }
 
 async function stream(turn, answer) {
   const s = settings();
-  const body = { model: await modelName(), messages: turn.messages, max_tokens: s.maxTokens, temperature: s.temperature,
+  const [base] = await models();
+  const body = { model: await chosenModel(), messages: turn.messages, max_tokens: s.maxTokens, temperature: s.temperature,
                  alchemist: { record: true } }; // recorded: feedback on it trains by replaying this prefill
   performance.mark("alchemist:send");
   let painted = false;
   for await (const chunk of streamChat(body)) {
     answer.id = chunk.id;
     answer.el.dataset.responseId = chunk.id;
+    if (chunk.model && chunk.model !== base && answer.adapterEl.hidden) { // a named adapter answered
+      answer.adapterEl.textContent = chunk.model;
+      answer.adapterEl.title = `Written by the adapter ${chunk.model}`;
+      answer.adapterEl.hidden = false;
+    }
     const version = versionOf(chunk.system_fingerprint);
     if (version !== null && version !== answer.version) {
       answer.version = version;
