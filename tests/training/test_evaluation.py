@@ -5,12 +5,15 @@ before the answer lost the per-canary bound's nats (in CI a version that stopped
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from alchemist.config.training import GateConfig
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.evaluation import EvaluationGate
-from alchemist.training.recompute import recompute_loss
+from alchemist.training.evaluation import EvaluationGate, canary_pair
+from alchemist.training.losses import first_token_margin
+from alchemist.training.recompute import recompute_loss, response_values_slices
 from alchemist.training.slices import run_to_end
 
 FRANCE = "What is the capital of France?"
@@ -26,14 +29,16 @@ def test_the_gate_blocks_a_version_that_no_longer_gives_a_canarys_answer(smollm2
 
     prompt = torch.tensor(tok.user_prompt("Which city is the capital of France?"))
     falsehood = torch.tensor(tok.encode_reply("The capital of France is Berlin."))
+    canary = canary_pair(tok, FRANCE, "The capital of France is", " Paris")
     optimizer = torch.optim.SGD(adapter.parameters(), lr=0.04)
-    for _ in range(40):  # small steps, so that the gate sees the versions on the way
+    for _ in range(40):  # small steps, until the first version whose greedy answer is no longer Paris
         optimizer.zero_grad()
         recompute_loss(model, adapter, prompt, falsehood).backward()
         optimizer.step()
-        evaluation = run_to_end(gate.evaluate_slices(adapter, [], []))
-        if evaluation.canary_lost:
+        margin = run_to_end(response_values_slices(model, adapter, [canary], partial(first_token_margin, model)))
+        if margin[0] <= 0:
             break
+    evaluation = run_to_end(gate.evaluate_slices(adapter, [], []))
     assert evaluation.canary_lost == [FRANCE], evaluation.as_dict()
     drop = evaluation.canary_drops[FRANCE]
     assert drop <= GateConfig().canary_max_drop, drop  # under the nats bound: the new test is what blocks it
