@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 
 from alchemist.config import Config
-from alchemist.scale.front import Handle, ReplicaSet, create_front
+from alchemist.scale.front import create_front
 from alchemist.scale.replica import replica_actor
+from alchemist.scale.replica_set import Handle, ReplicaSet
 from alchemist.training.generations import Generations
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from alchemist.config import ServerConfig
-from alchemist.scale.front import ReplicaSet, create_front
+from alchemist.scale.front import create_front
+from alchemist.scale.replica_set import ReplicaSet
 from tests.server.conftest import write_keys
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
