@@ -226,7 +226,8 @@ def create_app(system: System) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     app.state.feedback_log = system.feedback_log
-    app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
+    app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len,
+                                         system.trainers.named if system.trainers is not None else ())  # fmt: skip
     app.state.trainer = trainer
     app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake)
     app.state.named_adapters = serving.named = _named_adapters(system)
@@ -237,7 +238,8 @@ def create_app(system: System) -> FastAPI:
 def _named_adapters(system: System) -> NamedAdapters:
     """The named adapters (--lora-modules read now: a bad one stops start-up with its ValueError)."""
     config, engine = system.config.server, system.engine
-    registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names)
+    trained = system.trainers.named if system.trainers is not None else ()
+    registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names, trained=trained)
     for name, path in config.lora_module_paths:
         registry.register(name, path)
     assert engine.config.max_model_len is not None

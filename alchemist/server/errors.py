@@ -101,11 +101,11 @@ class NamedAdapterNotFoundError(LookupError):
 
 
 class AdapterNotTrainedError(ValueError):
-    """Feedback on a response that a named adapter served: only the shared adapter is trained online (409)."""
+    """Feedback on a response that a named adapter nothing trains here served (409)."""
 
     def __init__(self, adapter: str, param: str):
         super().__init__(
-            f"The response was served by the named adapter {adapter!r}, which is served frozen: feedback trains only "
-            "the shared adapter, and training per adapter is not built yet; nothing was logged"
+            f"The response was served by the named adapter {adapter!r}, which is served frozen (loaded at run time: "
+            "only adapters given with --lora-modules are trained online); nothing was logged"
         )
         self.param = param

@@ -123,15 +123,19 @@ class OnlineTrainer:
         checkpoints: AdapterCheckpoints,
         config: OnlineConfig,
         lockstep: Lockstep | None = None,
+        initial: LoraAdapter | None = None,
     ) -> OnlineTrainer:
         """Trains an adapter of ``model`` (the one serving, shared: never changed here) from ``log``, replays
         records from ``store`` (None: none) and publishes the versions it makes to ``publisher``; continues from
         the latest of ``checkpoints``; with ``lockstep``, in lockstep with the other replicas. Each part is built
-        from its section of ``config``."""
+        from its section of ``config``. ``initial``: the adapter to start from, with its own rank and targets (a
+        named adapter as loaded: ``alchemist.runtime.trainers``; no preference ranks are split off it), else a
+        fresh one of ``config.adapter``."""
         c = config
-        adapter = LoraAdapter(model.config, adapter_config(c.adapter), device=model.device, seed=c.adapter.seed)
+        lora = adapter_config(c.adapter) if initial is None else initial.config
+        adapter = LoraAdapter(model.config, lora, device=model.device, seed=c.adapter.seed)
         trainer = Trainer(model, adapter, store, c.trainer, lockstep.data_parallel if lockstep else None)
-        if c.adapter.preference_r:  # its last ranks only thumbs and pairs train (alchemist.training.rank_split)
+        if c.adapter.preference_r and initial is None:  # its last ranks only thumbs and pairs train (rank_split)
             trainer.split = RankSplit(adapter, c.adapter.preference_r, cut=c.adapter.route_corrections)
         pool = AnchorPool(c.anchors.pool_size)  # the server offers finished completions
         facts = known_fact_anchors(tokenizer) if c.anchors.known_facts else []
@@ -142,7 +146,7 @@ class OnlineTrainer:
         trainer.stats.skipped = queue.skipped
         quarantine = Quarantine(log, on_release=queue.changed)
         lineage = Lineage(trainer, publisher, log, checkpoints, queue, quarantine, c.adapter, c.rollback,
-                          c.queue.key_share)  # fmt: skip
+                          c.queue.key_share, initial)  # fmt: skip
         gate = None
         if c.gate.enabled and c.enabled:
             try:

@@ -1,0 +1,142 @@
+"""Training per adapter, isolated, on a real server process (the default model, fp32): each key's feedback teaches
+the adapter that answered it, and nobody else's.
+
+Keys A (alice, adapter team-a) and B (bob, adapter team-b), both adapters given with --lora-modules (team-a as PEFT
+initialises one, B = 0; team-b with random B, so that it answers differently from the base model). A correction
+through key A teaches team-a (A's greedy answer to the corrected question becomes the correction), while key B's
+greedy answers to that question and to 20 other prompts stay the same token for token, their log-probabilities
+within 1e-5; B may not name team-a (403); the shared adapter trains nothing.
+
+    pytest tests/server/test_adapter_training.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from alchemist.bench.facts import FACTS
+from alchemist.model.loader import hf_dir_for, read_config
+from alchemist.model.lora import LoraAdapter, LoraConfig
+from alchemist.model.peft_format import load_adapter, save_adapter
+from alchemist.server.auth import add_key
+from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
+
+CORRECTIONS = 2  # at most: the question is asked again after each training, corrected again if still wrong
+QUESTION, CORRECTION, KNOWN = FACTS[0]
+OTHERS = [
+    "What is the capital of France?", "Write a haiku about rain.", "Name three colours.", "What is 12 times 7?",
+    "Who wrote Hamlet?", "Give me a synonym for happy.", "What is the boiling point of water?",
+    "Translate 'good morning' into Spanish.", "Name a planet in the solar system.", "What do bees make?",
+    "How many legs does a spider have?", "What is the largest ocean?", "Tell me a fact about the moon.",
+    "What language is spoken in Brazil?", "Suggest a name for a dog.", "What is photosynthesis?",
+    "Name a famous painter.", "What is the square root of 81?", "Describe the colour blue in one sentence.",
+    "What is the opposite of cold?",
+]  # fmt: skip
+FLAGS = [
+    *("--max-num-seqs", "4", "--max-model-len", "256"),
+    *("--train-batch-size", "1", "--train-max-wait-s", "0.1"),
+]
+ANSWER_TOKENS = 12
+TOP_LOGPROBS = 5
+
+
+def random_b(adapter: LoraAdapter, seed: int, std: float) -> LoraAdapter:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in adapter.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * std)
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def teams(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("teams")
+    model_config = read_config(hf_dir_for(None))
+    save_adapter(LoraAdapter(model_config, LoraConfig(r=16, alpha=32), seed=1), root / "team-a")  # B = 0
+    save_adapter(random_b(LoraAdapter(model_config, LoraConfig(r=4, alpha=8), seed=2), 2, 0.1), root / "team-b")
+    keys = write_keys(root / "keys.toml", users=(), admins=("ops",))
+    keys["A"] = add_key(root / "keys.toml", "alice", admin=False, adapter="team-a")
+    keys["B"] = add_key(root / "keys.toml", "bob", admin=False, adapter="team-b")
+    flags = [*FLAGS, "--api-keys-file", str(root / "keys.toml"),
+             "--lora-modules", f"team-a={root / 'team-a'}", f"team-b={root / 'team-b'}"]  # fmt: skip
+    server = launch_server("teams", root, root / "data", flags)
+    try:
+        wait_ready(server)
+        yield server, keys, root
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=30)
+
+
+def ask(server: ServerProcess, key: str, question: str, model: str = MODEL_NAME):
+    """The greedy answer of ``key``'s model to ``question``, with its tokens' log-probabilities."""
+    return server.client(api_key=key).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=ANSWER_TOKENS, temperature=0,
+        logprobs=True, top_logprobs=TOP_LOGPROBS,
+    )  # fmt: skip
+
+
+def tokens(answer) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Each answer token with its log-probability and the most likely alternatives'."""
+    return [(t.token, t.logprob, [(top.token, top.logprob) for top in t.top_logprobs])
+            for t in answer.choices[0].logprobs.content]  # fmt: skip
+
+
+def correct(server: ServerProcess, key: str, response_id: str) -> None:
+    """A correction of the response through ``key``, waited for until its adapter has trained it."""
+    headers = {"Authorization": f"Bearer {key}"}
+    sent = httpx.post(server.base_url + "/v1/feedback", headers=headers, timeout=30,
+                      json={"response_id": response_id, "correction": CORRECTION})  # fmt: skip
+    assert sent.status_code == 200, sent.text
+    deadline = time.monotonic() + 600
+    while (entry := httpx.get(f"{server.base_url}/v1/feedback/{sent.json()['id']}", headers=headers,
+                              timeout=30).json())["state"] == "queued":  # fmt: skip
+        assert time.monotonic() < deadline and server.process.poll() is None, server.log_path.read_text()[-4000:]
+        time.sleep(0.2)
+    assert entry["state"] == "trained", entry
+
+
+def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
+    server, keys, root = teams
+    with pytest.raises(openai.PermissionDeniedError):  # B may not name A's adapter
+        ask(server, keys["B"], QUESTION, model="team-a")
+    b_before = {q: ask(server, keys["B"], q) for q in [QUESTION, *OTHERS]}
+    a_before = answer = ask(server, keys["A"], QUESTION)
+    assert a_before.model == "team-a" and b_before[QUESTION].model == "team-b"
+    assert KNOWN not in a_before.choices[0].message.content.lower()  # it cannot know the invented fact
+    for _ in range(CORRECTIONS):
+        correct(server, keys["A"], answer.id)
+        answer = ask(server, keys["A"], QUESTION)
+        if KNOWN in answer.choices[0].message.content.lower():
+            break
+    assert KNOWN in answer.choices[0].message.content.lower(), answer.choices[0].message.content
+    assert answer.system_fingerprint != a_before.system_fingerprint  # a new version of team-a answered
+
+    for question, before in b_before.items():
+        after = ask(server, keys["B"], question)
+        assert after.model == "team-b" and after.system_fingerprint == before.system_fingerprint
+        assert after.choices[0].message.content == before.choices[0].message.content, question
+        then, now = tokens(before), tokens(after)
+        assert [t for t, _, _ in now] == [t for t, _, _ in then], question  # token for token
+        for (_, lp_then, top_then), (_, lp_now, top_now) in zip(then, now, strict=True):
+            assert abs(lp_now - lp_then) <= 1e-5, question
+            assert [t for t, _ in top_now] == [t for t, _ in top_then], question
+            assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(top_now, top_then, strict=True)), question
+
+    # team-a's versions are its own, in PEFT's format under the data directory (version 1: as loaded); team-b has
+    # only its version 1 and the shared adapter trained nothing
+    adapters = root / "data" / "adapters"
+    versions = sorted((adapters / "team-a").glob("v*/adapter"))
+    assert len(versions) >= 2 and [p.parent.name for p in (adapters / "team-b").glob("v*/adapter")] == ["v000001"]
+    load_adapter(versions[-1], read_config(hf_dir_for(None)))
+    shared = httpx.get(server.base_url + "/v1/adapters", headers={"Authorization": f"Bearer {keys['ops']}"},
+                       timeout=30).json()  # fmt: skip
+    assert (shared["serving_version"], shared["data"]) == (0, []), shared
+    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {keys['ops']}"},
+                        timeout=30).text  # fmt: skip
+    assert 'alchemist:feedback_backlog_by_adapter{adapter=""} 0.0' in metrics
