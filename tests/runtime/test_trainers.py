@@ -22,7 +22,7 @@ from alchemist.runtime.trainers import Trainers, checkpoint_dir, named_trainer
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 from tests.engine.helpers import char_tokenizer, random_adapter, random_prompts, run_to_end
-from tests.training.test_online import drain, serve_and_log, tiny_loop_config
+from tests.training.test_online import serve_and_log, tiny_loop_config
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
