@@ -19,9 +19,9 @@ page-in serves the same weights under the same version, so cached prompt blocks 
 name unloaded and loaded again from another directory never meets the old one's blocks.
 
 A trained adapter (one with an online trainer of its own, ``alchemist.runtime.trainers``: those given at start,
-``trained``) is not paged: its trainer sets its versions in the engine, where it stays, outside the ``max_loras``
-slots (a page-in from its directory would serve the weights as loaded, not as trained). It cannot be unloaded (its
-trainer would set it again). The others, loaded at run time, are served frozen.
+``trained``, and those ``load``ed with ``train``) is not paged: its trainer sets its versions in the engine, where
+it stays, outside the ``max_loras`` slots (a page-in from its directory would serve the weights as loaded, not as
+trained). It cannot be unloaded (its trainer would set it again). The others are served frozen.
 
 Threads: ``register`` before the event loop runs; everything else on the event loop thread (no locks: state only
 changes between awaits). The disk read runs in a worker thread; the engine's copy of a page-in (``set_adapter``) is
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,17 +81,24 @@ class AdapterRegistry:
         self._check_name(name)
         adapter = self._read(Path(path))
         if name in self.trained:  # in the engine already, set there by its trainer
-            self._entries[name] = _Entry(Path(path), 0, in_engine=True)
-            self._notify()
+            self._add_trained(name, Path(path))
             return
         self._add(name, Path(path), adapter)
 
-    async def load(self, name: str, path: str | Path) -> None:
-        """``register`` at run time: the directory is read in a worker thread."""
+    async def load(
+        self, name: str, path: str | Path, train: Callable[[str, LoraAdapter], Awaitable[None]] | None = None
+    ) -> None:
+        """``register`` at run time: the directory is read in a worker thread. With ``train``, awaited with the
+        adapter read, its trainer is started first (``alchemist.runtime.trainers``), which sets it in the engine:
+        it is then served as trained (not paged); its errors (ValueError) are the load's."""
         self._check_name(name)
         adapter = await asyncio.to_thread(self._read, Path(path))
         self._check_name(name)  # another load of the name may have finished meanwhile
-        self._add(name, Path(path), adapter)
+        if train is None:
+            self._add(name, Path(path), adapter)
+            return
+        await train(name, adapter)
+        self._add_trained(name, Path(path))
 
     def unload(self, name: str) -> None:
         """Forgets ``name`` (KeyError if unknown; ValueError if trained) and takes it out of the engine: requests
@@ -164,6 +171,10 @@ class AdapterRegistry:
         self._entries[name] = _Entry(path, self._next_version)
         self._next_version += 1
         self._keep(name, adapter)
+        self._notify()
+
+    def _add_trained(self, name: str, path: Path) -> None:
+        self._entries[name] = _Entry(path, 0, in_engine=True)  # its version is its trainer's, set in the engine
         self._notify()
 
     def _keep(self, name: str, adapter: LoraAdapter) -> None:

@@ -12,6 +12,7 @@ feedback log are here only, so that a change of their constructors touches this 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 from alchemist.activations.store import ActivationStore
@@ -58,8 +59,9 @@ def build_around(
     not read here), with the online trainer of ``config.online`` stepping beside it: it replays from ``store`` (the
     one the engine records into: by default ``engine.store``) and publishes to the engine, which it knows only by
     ``alchemist.training.seams``' Protocols. The feedback log and the adapters live under ``config.server``'s
-    data_dir. The named adapters of ``config.server.lora_modules`` are trained too, each by a trainer of its own
-    (``alchemist.runtime.trainers``; not in lockstep, whose replicas train the shared adapter only). The latency
+    data_dir. The named adapters of ``config.server.lora_modules``, and those loaded at run time
+    (``Trainers.start``), are trained too, each by a trainer of its own (``alchemist.runtime.trainers``; not in
+    lockstep, whose replicas train the shared adapter only). The latency
     objective is the engine's config's, its zeros derived here from probe steps
     (``alchemist.runtime.objective``): call this in the thread that will step the engine."""
     online, server = config.online, config.server
@@ -71,10 +73,11 @@ def build_around(
     if online.enabled:
         trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
                                             online, lockstep)  # resumes from its checkpoint  # fmt: skip
-        trainers = Trainers(trainer)
+        make = partial(named_trainer, engine, store, feedback_log, online, server.data_dir)
+        trainers = Trainers(trainer, make if lockstep is None else None)
         for name, path in server.lora_module_paths if lockstep is None else ():
             initial = load_adapter(Path(path), engine.model.config, engine.model.device)
-            trainers.add(name, named_trainer(engine, store, feedback_log, online, server.data_dir, name, initial))
+            trainers.add(name, make(name, initial))
         time_share = TimeShare(trainers, objective, engine.waiting_since)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Generator
+import threading
+import time
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from pathlib import Path
 
 from alchemist.activations.store import ActivationStore
@@ -86,34 +89,72 @@ class Trainers:
     """Every online trainer of the replica, as the time share's one ``BackgroundWork``; the module doc says how
     they take turns."""
 
-    def __init__(self, shared: OnlineTrainer) -> None:
+    def __init__(
+        self, shared: OnlineTrainer, make: Callable[[str, LoraAdapter], OnlineTrainer] | None = None
+    ) -> None:
+        """``make(name, adapter)``: a named adapter's trainer, for ``start`` (None: none at run time)."""
         self.shared = shared
         self.named: dict[str, OnlineTrainer] = {}
+        self._make = make
         self._turns: list[OnlineTrainer] = [shared]
         self._next = 0  # the first trainer asked when a new batch starts
         self._current: OnlineTrainer | None = None  # the one whose batch has the slices
+        self._pending: list[tuple[str, LoraAdapter, Future[None]]] = []  # ``start``ed, not made yet
+        self._pending_lock = threading.Lock()
 
     def add(self, name: str, trainer: OnlineTrainer) -> None:
-        """``trainer`` trains the named adapter ``name`` from now on (build time, before the stepping loop)."""
+        """``trainer`` trains the named adapter ``name`` from now on (build time, or the stepping thread)."""
         if name in self.named:
             raise ValueError(f"adapter {name!r} has a trainer already")
         self.named[name] = trainer
         self._turns.append(trainer)
+
+    def start(self, name: str, adapter: LoraAdapter) -> Future[None]:
+        """Any thread (a run-time load): ``name`` is trained from now on, from ``adapter`` as loaded (or its latest
+        checkpoint, a name trained before). Its trainer is made in a slice of the stepping thread, as all torch
+        work is (its restore sets it in the engine); the future is done then, or fails with ``make``'s error."""
+        if self._make is None:
+            raise ValueError("this server trains no named adapter at run time")
+        done: Future[None] = Future()
+        with self._pending_lock:
+            self._pending.append((name, adapter, done))
+        return done
+
+    @property
+    def trains_at_run_time(self) -> bool:
+        """Whether ``start`` may be called (adapters loaded at run time are trained)."""
+        return self._make is not None
 
     def __contains__(self, name: object) -> bool:
         """Whether the named adapter ``name`` is trained (its feedback is accepted)."""
         return name in self.named
 
     def has_work(self) -> bool:
-        return any(trainer.has_work() for trainer in self._turns)
+        return bool(self._pending) or any(trainer.has_work() for trainer in self._turns)
 
     def run_slice(self) -> float:
-        """A slice of the batch in progress, else of the next trainer in turn that has work; its seconds."""
+        """A slice of the batch in progress, else a trainer started at run time made, else a slice of the next
+        trainer in turn that has work; its seconds."""
         if self._current is None or not self._current.in_batch:
+            if self._pending:
+                return self._make_pending()
             self._current = self._next_with_work()
             if self._current is None:
                 return 0.0
         return self._current.run_slice()
+
+    def _make_pending(self) -> float:
+        t0 = time.perf_counter()
+        with self._pending_lock:
+            name, adapter, done = self._pending.pop(0)
+        assert self._make is not None
+        try:
+            self.add(name, self._make(name, adapter))
+        except Exception as e:  # the loader learns it (a 400); training goes on
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+        return time.perf_counter() - t0
 
     def _next_with_work(self) -> OnlineTrainer | None:
         for i in range(len(self._turns)):

@@ -12,6 +12,7 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
@@ -28,6 +29,7 @@ from alchemist.activations.record import record_bytes_per_token
 from alchemist.config import ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.host_memory import allocator_in_use
+from alchemist.model.lora import LoraAdapter
 from alchemist.runtime import System
 from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.runtime.async_engine import AsyncEngine
@@ -238,12 +240,21 @@ def create_app(system: System) -> FastAPI:
 def _named_adapters(system: System) -> NamedAdapters:
     """The named adapters (--lora-modules read now: a bad one stops start-up with its ValueError)."""
     config, engine = system.config.server, system.engine
-    trained = system.trainers.named if system.trainers is not None else ()
+    trainers = system.trainers
+    trained = trainers.named if trainers is not None else ()
     registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names, trained=trained)
     for name, path in config.lora_module_paths:
         registry.register(name, path)
     assert engine.config.max_model_len is not None
-    return NamedAdapters(registry, system.names, engine.config.max_model_len)
+    train = None
+    if trainers is not None and trainers.trains_at_run_time:
+
+        async def train(name: str, adapter: LoraAdapter) -> None:
+            done = trainers.start(name, adapter)
+            system.async_engine.wake()  # the stepping thread makes the trainer, in a slice
+            await asyncio.wrap_future(done)
+
+    return NamedAdapters(registry, system.names, engine.config.max_model_len, train)
 
 
 def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:

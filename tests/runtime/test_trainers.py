@@ -8,6 +8,7 @@ batches in turn; a name whose checkpoints would land among the shared adapter's 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,27 @@ def test_each_adapter_trains_its_own_feedback_taking_batches_in_turn(engine, tmp
     resumed = named_trainer(again, None, log, config, tmp_path, "team-a", loaded)
     assert resumed.version == 3 and again.named_adapters == {"team-a": 3} and not resumed.has_work()
     assert all(torch.equal(t, team_a.adapter.state_dict()[k]) for k, t in resumed.adapter.state_dict().items())
+    log.close()
+
+
+def test_a_trainer_started_at_run_time_is_made_in_a_slice(engine, tmp_path: Path):
+    """A run-time load's trainer is made by the stepping thread (the caller of run_slice), not the loader's."""
+    config = tiny_loop_config()
+    log = SQLiteFeedbackLog(tmp_path / "feedback.sqlite")
+    shared = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, engine.store, log,
+                                       AdapterCheckpoints(tmp_path / "adapters", keep=50), config)  # fmt: skip
+    trainers = Trainers(shared, partial(named_trainer, engine, engine.store, log, config, tmp_path))
+    done = trainers.start("team-b", random_adapter(engine.model, seed=6, std=0.2))
+    assert not done.done() and "team-b" not in trainers and trainers.has_work()
+    trainers.run_slice()
+    assert done.result(timeout=0) is None and "team-b" in trainers and engine.named_adapters == {"team-b": 1}
+    again = trainers.start("team-b", random_adapter(engine.model, seed=7, std=0.2))
+    trainers.run_slice()
+    with pytest.raises(ValueError, match="has a trainer already"):
+        again.result(timeout=0)
+    assert not trainers.has_work()
+    with pytest.raises(ValueError, match="no named adapter at run time"):
+        Trainers(shared).start("team-c", random_adapter(engine.model, seed=8))
     log.close()
 
 

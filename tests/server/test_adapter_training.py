@@ -140,3 +140,21 @@ def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
     metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {keys['ops']}"},
                         timeout=30).text  # fmt: skip
     assert 'alchemist:feedback_backlog_by_adapter{adapter=""} 0.0' in metrics
+
+
+def test_an_adapter_loaded_at_run_time_is_trained_and_stays_loaded(teams):
+    server, keys, root = teams
+    ops = {"Authorization": f"Bearer {keys['ops']}"}
+    loaded = httpx.post(server.base_url + "/v1/load_lora_adapter", headers=ops, timeout=120,
+                        json={"lora_name": "team-c", "lora_path": str(root / "team-a")})  # fmt: skip
+    assert loaded.status_code == 200, loaded.text
+    assert (root / "data" / "adapters" / "team-c" / "v000001" / "adapter").is_dir()  # its trainer's version 1
+    answer = ask(server, keys["ops"], QUESTION, model="team-c")
+    assert answer.model == "team-c" and answer.system_fingerprint == ask(server, keys["B"], QUESTION,
+                                                                         "team-b").system_fingerprint  # both: v1
+    sent = httpx.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
+                      json={"response_id": answer.id, "rating": 1})  # fmt: skip
+    assert sent.status_code == 200, sent.text  # accepted: it trains team-c
+    unload = httpx.post(server.base_url + "/v1/unload_lora_adapter", headers=ops, timeout=30,
+                        json={"lora_name": "team-c"})  # fmt: skip
+    assert unload.status_code == 400 and "cannot be unloaded" in unload.json()["error"]["message"]
