@@ -104,7 +104,7 @@ class AdapterRegistry:
         """Forgets ``name`` (KeyError if unknown; ValueError if trained) and takes it out of the engine: requests
         in flight finish with it, later ones naming it are refused."""
         if name in self.trained and name in self._entries:
-            raise ValueError(f"adapter {name!r} is trained online here (--lora-modules): it cannot be unloaded")
+            raise ValueError(f"adapter {name!r} is trained online here: it cannot be unloaded (its trainer serves it)")
         entry = self._entries.pop(name)
         self._cpu.pop(name, None)
         if self._slots.pop(name, "absent") is None and not entry.loading:

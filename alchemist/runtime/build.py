@@ -61,9 +61,9 @@ def build_around(
     ``alchemist.training.seams``' Protocols. The feedback log and the adapters live under ``config.server``'s
     data_dir. The named adapters of ``config.server.lora_modules``, and those loaded at run time
     (``Trainers.start``), are trained too, each by a trainer of its own (``alchemist.runtime.trainers``; not in
-    lockstep, whose replicas train the shared adapter only). The latency
-    objective is the engine's config's, its zeros derived here from probe steps
-    (``alchemist.runtime.objective``): call this in the thread that will step the engine."""
+    lockstep, whose replicas train the shared adapter only). The latency objective is the engine's config's, its
+    zeros derived here from probe steps (``alchemist.runtime.objective``): call this in the thread that will step
+    the engine."""
     online, server = config.online, config.server
     store = store if store is not None else engine.store
     feedback_log = open_feedback_log(server.feedback_db_path)
