@@ -104,8 +104,7 @@ class Trainers:
 
     def add(self, name: str, trainer: OnlineTrainer) -> None:
         """``trainer`` trains the named adapter ``name`` from now on (build time, or the stepping thread)."""
-        if name in self.named:
-            raise ValueError(f"adapter {name!r} has a trainer already")
+        self._check_new(name)
         self.named[name] = trainer
         self._turns.append(trainer)
 
@@ -149,12 +148,17 @@ class Trainers:
             name, adapter, done = self._pending.pop(0)
         assert self._make is not None
         try:
+            self._check_new(name)  # before its trainer restores (and serves) the name's checkpoints
             self.add(name, self._make(name, adapter))
         except Exception as e:  # the loader learns it (a 400); training goes on
             done.set_exception(e)
         else:
             done.set_result(None)
         return time.perf_counter() - t0
+
+    def _check_new(self, name: str) -> None:
+        if name in self.named:
+            raise ValueError(f"adapter {name!r} has a trainer already")
 
     def _next_with_work(self) -> OnlineTrainer | None:
         for i in range(len(self._turns)):

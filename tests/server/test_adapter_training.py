@@ -41,7 +41,7 @@ FLAGS = [
     *("--max-num-seqs", "4", "--max-model-len", "256"),
     *("--train-batch-size", "1", "--train-max-wait-s", "0.1"),
 ]
-ANSWER_TOKENS = 12
+ANSWER_TOKENS = 16  # the correction's words fit: "The codename of the Tessaro project is Bluefin."
 TOP_LOGPROBS = 5
 
 
