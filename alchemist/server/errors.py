@@ -101,11 +101,11 @@ class NamedAdapterNotFoundError(LookupError):
 
 
 class AdapterNotTrainedError(ValueError):
-    """Feedback on a response that a named adapter nothing trains here served (409)."""
+    """Feedback on a response of a named adapter that nothing trains here (409)."""
 
     def __init__(self, adapter: str, param: str):
         super().__init__(
-            f"The response was served by the named adapter {adapter!r}, which is served frozen (loaded at run time: "
-            "only adapters given with --lora-modules are trained online); nothing was logged"
+            f"The response was served by the named adapter {adapter!r}, which is served frozen (this server trains "
+            "no named adapter: --no-train, or replicas); nothing was logged"
         )
         self.param = param

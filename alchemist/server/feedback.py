@@ -13,9 +13,9 @@ under a used id is a 409), and ``GET /v1/feedback/{feedback_id}`` answers as ``G
 
 Feedback trains the adapter that served the response, never another: the entry names it (``adapter``; None: the
 shared one), and that adapter's trainer alone reads it (``alchemist.runtime.trainers``). On a response of a named
-adapter that nothing trains here (``alchemist.server.named_adapters``: one loaded at run time, served frozen) it is
-refused with a 409 ``adapter_not_trained``, and nothing is logged; a preference pair names two responses of one
-adapter.
+adapter that nothing trains here (``alchemist.server.named_adapters``: served frozen, where the server does not
+train named adapters) it is refused with a 409 ``adapter_not_trained``, and nothing is logged; a preference pair
+names two responses of one adapter.
 
 Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the end-of-turn id); rating 1 ->
 "sft" on (prompt, served output); rating -1 -> "negative"; preferred_over -> "preference".
