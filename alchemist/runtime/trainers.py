@@ -1,17 +1,20 @@
 """The online trainers of a replica: the shared adapter's, and one per named adapter it trains, taking turns.
 
-    trainers = Trainers(shared)                                      # the shared adapter's OnlineTrainer
-    trainers.add("team-a", named_trainer(engine, store, log, config, "team-a", adapter))
+    make = partial(named_trainer, engine, store, log, config, data_dir)
+    trainers = Trainers(shared, make)                                # the shared adapter's OnlineTrainer
+    trainers.add("team-a", make("team-a", adapter))                  # at build time (--lora-modules)
+    done = trainers.start("team-b", adapter_b)                       # at run time, any thread: made in a slice
     share = TimeShare(trainers, objective, engine.waiting_since)     # training's time, whoever's work it is
 
-A named adapter served with ``--lora-modules`` learns from the feedback on its own responses only: its trainer is an
-``OnlineTrainer`` like the shared one, built from the same config, over its own view of the log
-(``alchemist.feedback.adapter_log``: its queue, position, taught corrections and ratings are its own, so its batches
-never hold another adapter's entries), with its own lineage (checkpoints in PEFT's format under
+A named adapter (given with ``--lora-modules``, or loaded at run time) learns from the feedback on its own responses
+only: its trainer is an ``OnlineTrainer`` like the shared one, built from the same config, over its own view of the
+log (``alchemist.feedback.adapter_log``: its queue, position, taught corrections and ratings are its own, so its
+batches never hold another adapter's entries), with its own lineage (checkpoints in PEFT's format under
 ``<data_dir>/adapters/<name>/``, evaluation gate verdicts, versions, rollback, regression watch), publishing to the
 engine under its name (``NamedPublisher``). It starts from the adapter as loaded (its version 1, checkpointed at the
-first start: ``Lineage.restore``) and trains it with its own rank and targets (no preference ranks are split off an
-adapter made elsewhere, so its corrections serve to all its requests rather than being routed).
+first start: ``Lineage.restore``), which its anchors and evaluation gate hold it to, and trains it with its own rank
+and targets (no preference ranks are split off an adapter made elsewhere, so its corrections serve to all its
+requests rather than being routed).
 
 Fair turns: training's time (``alchemist.runtime.time_share``) goes to one batch at a time, and each new batch to the
 next trainer in turn that has work (round-robin over the trainers with a backlog), so a flood of one team's feedback

@@ -122,7 +122,8 @@ def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(a
 async def load_lora_adapter(
     body: LoadLoRAAdapterRequest, request: Request, caller: Caller = Depends(admin)
 ) -> ModelCard:
-    """vLLM's: serve a PEFT adapter directory under a name, frozen (alchemist.server.named_adapters)."""
+    """vLLM's: serve a PEFT adapter directory under a name, trained from then on where the server trains
+    (alchemist.server.named_adapters)."""
     return await request.app.state.named_adapters.load(body)
 
 
