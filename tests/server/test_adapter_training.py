@@ -152,9 +152,16 @@ def test_an_adapter_loaded_at_run_time_is_trained_and_stays_loaded(teams):
     answer = ask(server, keys["ops"], QUESTION, model="team-c")
     assert answer.model == "team-c" and answer.system_fingerprint == ask(server, keys["B"], QUESTION,
                                                                          "team-b").system_fingerprint  # both: v1
+    other = ask(server, keys["ops"], QUESTION, model="team-b")
+    pair = httpx.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
+                      json={"response_id": answer.id, "preferred_over": other.id})  # fmt: skip
+    assert pair.status_code == 400 and pair.json()["error"]["param"] == "preferred_over"  # a pair trains one adapter
     sent = httpx.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
                       json={"response_id": answer.id, "rating": 1})  # fmt: skip
     assert sent.status_code == 200, sent.text  # accepted: it trains team-c
+    # queued in team-c's own queue while its batch trains (a batch takes seconds: the gate alone does)
+    metrics = httpx.get(server.base_url + "/metrics", headers=ops, timeout=30).text
+    assert 'alchemist:feedback_backlog_by_adapter{adapter="team-c"} 1.0' in metrics, metrics
     unload = httpx.post(server.base_url + "/v1/unload_lora_adapter", headers=ops, timeout=30,
                         json={"lora_name": "team-c"})  # fmt: skip
     assert unload.status_code == 400 and "cannot be unloaded" in unload.json()["error"]["message"]
