@@ -38,7 +38,7 @@ from alchemist.engine import LLMEngine
 from alchemist.feedback.adapter_log import AdapterLog
 from alchemist.feedback.log import FeedbackLog
 from alchemist.model.lora import LoraAdapter
-from alchemist.training.checkpoint import TMP_PREFIX, VERSION_DIR, AdapterCheckpoints
+from alchemist.training.checkpoint import ADAPTER_DIR, TMP_PREFIX, VERSION_DIR, AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,21 @@ def checkpoint_dir(data_dir: str | Path, name: str) -> Path:
         raise ValueError(f"adapter name {name!r} cannot be trained: its checkpoints would lie at adapters/{name} "
                          "among the shared adapter's versions, or outside the data directory; choose another")
     return Path(data_dir) / "adapters" / name
+
+
+def served_path(data_dir: str | Path, name: str, path: str | Path) -> Path:
+    """The directory a named adapter given as ``path`` serves from when nothing trains it (``--no-train``): the
+    version its training left serving (its newest promoted checkpoint's PEFT directory), if it was ever trained
+    here, else ``path``: a restart without training must not serve a team's adapter as it was before its
+    feedback."""
+    try:
+        directory = checkpoint_dir(data_dir, name)
+    except ValueError:  # a name that is never trained
+        return Path(path)
+    if not directory.is_dir():
+        return Path(path)
+    serving = AdapterCheckpoints(directory, keep=1 << 30).serving()  # keep: nothing is pruned by reading
+    return Path(path) if serving is None else serving.path / ADAPTER_DIR
 
 
 def named_trainer(

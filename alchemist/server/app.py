@@ -33,6 +33,7 @@ from alchemist.model.lora import LoraAdapter
 from alchemist.runtime import System
 from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.runtime.async_engine import AsyncEngine
+from alchemist.runtime.trainers import served_path
 from alchemist.server.adapters import AdapterService
 from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
@@ -244,7 +245,8 @@ def _named_adapters(system: System) -> NamedAdapters:
     trained = trainers.named if trainers is not None else ()
     registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names, trained=trained)
     for name, path in config.lora_module_paths:
-        registry.register(name, path)
+        # one nothing trains here serves the version its training left serving, if it was trained before
+        registry.register(name, path if name in trained else served_path(config.data_dir, name, path))
     assert engine.config.max_model_len is not None
     train = None
     if trainers is not None and trainers.trains_at_run_time:

@@ -19,7 +19,8 @@ from alchemist.engine import LLMEngine, SamplingParams
 from alchemist.feedback.log import FeedbackLog
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.model.loader import build_model
-from alchemist.runtime.trainers import Trainers, checkpoint_dir, named_trainer
+from alchemist.model.peft_format import load_adapter
+from alchemist.runtime.trainers import Trainers, checkpoint_dir, named_trainer, served_path
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 from tests.engine.helpers import char_tokenizer, random_adapter, random_prompts, run_to_end
@@ -93,6 +94,14 @@ def test_each_adapter_trains_its_own_feedback_taking_batches_in_turn(engine, tmp
     assert any(not torch.equal(t, before[k]) for k, t in team_a.adapter.state_dict().items())
     assert all(torch.equal(t, before[k]) for k, t in loaded.state_dict().items())  # the loaded copy untouched
     assert (tmp_path / "adapters" / "team-a" / "v000003" / "adapter" / "adapter_config.json").is_file()
+
+    # Served without training (--no-train), team-a is what its training left serving; an untrained name as given.
+    served = served_path(tmp_path, "team-a", tmp_path / "given")
+    assert served == tmp_path / "adapters" / "team-a" / "v000003" / "adapter"
+    assert all(torch.equal(t, team_a.adapter.state_dict()[k])
+               for k, t in load_adapter(served, engine.model.config).state_dict().items())  # fmt: skip
+    assert served_path(tmp_path, "team-z", tmp_path / "given") == tmp_path / "given"
+    assert served_path(tmp_path, "v000001", tmp_path / "given") == tmp_path / "given"
 
     # A restart resumes team-a from its latest checkpoint, served under its name at that version.
     again = LLMEngine(engine.model, engine.tokenizer, engine.config)
