@@ -93,11 +93,11 @@ class FeedbackConflictError(ValueError):
 
 
 class NamedAdapterNotFoundError(LookupError):
-    """/v1/unload_lora_adapter names no loaded adapter (404)."""
+    """/v1/unload_lora_adapter names no loaded adapter, or /v1/adapters no trained one (404)."""
 
-    def __init__(self, name: str, loaded: list[str]):
-        super().__init__(f"No LoRA adapter named {name!r} is loaded (loaded: {', '.join(loaded) or 'none'})")
-        self.param = "lora_name"
+    def __init__(self, name: str, loaded: list[str], param: str = "lora_name", what: str = "loaded"):
+        super().__init__(f"No LoRA adapter named {name!r} is {what} ({what}: {', '.join(loaded) or 'none'})")
+        self.param = param
 
 
 class AdapterNotTrainedError(ValueError):

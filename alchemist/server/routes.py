@@ -107,9 +107,10 @@ async def dashboard_series(
     return series.snapshot(since)
 
 
-@router.get("/v1/adapters", responses=errors(401))
-def adapters(request: Request, caller: Caller = Depends(user)) -> AdapterList:
-    return request.app.state.adapters.list()
+@router.get("/v1/adapters", responses=errors(401, 403, 404))
+def adapters(request: Request, adapter: str | None = None, caller: Caller = Depends(user)) -> AdapterList:
+    """The shared adapter's versions, or with ``adapter`` a named adapter's (one the key may use)."""
+    return request.app.state.adapters.list(adapter, caller)
 
 
 @router.post("/v1/adapters/rollback", responses=errors(400, 401, 403, 404, 413))

@@ -5,7 +5,8 @@ Keys A (alice, adapter team-a) and B (bob, adapter team-b), both adapters given 
 initialises one, B = 0; team-b with random B, so that it answers differently from the base model). A correction
 through key A teaches team-a (A's greedy answer to the corrected question becomes the correction), while key B's
 greedy answers to that question and to 20 other prompts stay the same token for token, their log-probabilities
-within 1e-5; B may not name team-a (403); the shared adapter trains nothing.
+within 1e-5; B may not name team-a (403) nor see its versions; the shared adapter trains nothing; rolled back to its
+version 1, team-a answers A as before the correction. An adapter loaded at run time is trained too.
 
     pytest tests/server/test_adapter_training.py
 """
@@ -87,6 +88,17 @@ def tokens(answer) -> list[tuple[str, float, list[tuple[str, float]]]]:
             for t in answer.choices[0].logprobs.content]  # fmt: skip
 
 
+def assert_same(before, after, question: str) -> None:
+    """The same answer token for token, every log-probability (the tokens' and the alternatives') within 1e-5."""
+    assert after.choices[0].message.content == before.choices[0].message.content, question
+    then, now = tokens(before), tokens(after)
+    assert [t for t, _, _ in now] == [t for t, _, _ in then], question
+    for (_, lp_then, top_then), (_, lp_now, top_now) in zip(then, now, strict=True):
+        assert abs(lp_now - lp_then) <= 1e-5, question
+        assert [t for t, _ in top_now] == [t for t, _ in top_then], question
+        assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(top_now, top_then, strict=True)), question
+
+
 def correct(server: ServerProcess, key: str, response_id: str) -> None:
     """A correction of the response through ``key``, waited for until its adapter has trained it."""
     headers = {"Authorization": f"Bearer {key}"}
@@ -120,13 +132,7 @@ def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
     for question, before in b_before.items():
         after = ask(server, keys["B"], question)
         assert after.model == "team-b" and after.system_fingerprint == before.system_fingerprint
-        assert after.choices[0].message.content == before.choices[0].message.content, question
-        then, now = tokens(before), tokens(after)
-        assert [t for t, _, _ in now] == [t for t, _, _ in then], question  # token for token
-        for (_, lp_then, top_then), (_, lp_now, top_now) in zip(then, now, strict=True):
-            assert abs(lp_now - lp_then) <= 1e-5, question
-            assert [t for t, _ in top_now] == [t for t, _ in top_then], question
-            assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(top_now, top_then, strict=True)), question
+        assert_same(before, after, question)
 
     # team-a's versions are its own, in PEFT's format under the data directory (version 1: as loaded); team-b has
     # only its version 1 and the shared adapter trained nothing
@@ -140,6 +146,21 @@ def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
     metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {keys['ops']}"},
                         timeout=30).text  # fmt: skip
     assert 'alchemist:feedback_backlog_by_adapter{adapter=""} 0.0' in metrics
+
+    # team-a's versions and rollback are its own: A sees them, B may not; rolled back to its version 1 (as loaded),
+    # A is answered as before the correction, token for token
+    listed = lambda key: httpx.get(server.base_url + "/v1/adapters", params={"adapter": "team-a"},  # noqa: E731
+                                   headers={"Authorization": f"Bearer {key}"}, timeout=30)  # fmt: skip
+    assert listed(keys["B"]).status_code == 403
+    team_a = listed(keys["A"]).json()
+    assert team_a["serving_version"] == int(answer.system_fingerprint.removeprefix("alchemist-v"))
+    assert [v["version"] for v in team_a["data"]][-1] == 1 and team_a["data"][0]["serving"]
+    rolled = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 1, "adapter": "team-a"},
+                        headers={"Authorization": f"Bearer {keys['ops']}"}, timeout=120)  # fmt: skip
+    assert rolled.status_code == 200 and rolled.json()["version"] > team_a["serving_version"], rolled.text
+    again = ask(server, keys["A"], QUESTION)
+    assert again.system_fingerprint == f"alchemist-v{rolled.json()['version']}"
+    assert_same(a_before, again, QUESTION)
 
 
 def test_an_adapter_loaded_at_run_time_is_trained_and_stays_loaded(teams):
