@@ -87,8 +87,8 @@ class ServerConfig:
     # Named LoRA adapters (vLLM's flags; alchemist.runtime.adapter_registry): requests name one as their model. More
     # may be registered than the engine holds: the others wait on disk and are paged in on demand.
     lora_modules: Annotated[tuple[str, ...], flag("lora-modules", "LoRA adapters served by name from the start, "
-                            "NAME=PATH each (PEFT adapter directories); requests name one as their "
-                            "model")] = ()  # fmt: skip
+                            "NAME=PATH each (PEFT adapter directories); requests name one as their model, and the "
+                            "feedback on its answers trains it (into <data-dir>/adapters/NAME)")] = ()  # fmt: skip
     max_loras: Annotated[int, flag("max-loras", "named adapters held in the engine at once (the others are paged "
                          "in on demand, evicting the least recently used idle one)")] = 4  # fmt: skip
     max_cpu_loras: Annotated[int | None, flag("max-cpu-loras", "named adapters kept read in memory, so that a "

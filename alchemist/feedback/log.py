@@ -15,8 +15,14 @@ writes nothing.
 What became of an entry is in the log too (``state``): "queued" until the trainer settles it, then "trained"
 (with the adapter version of the step) or "skipped" (with the reason), or "quarantined": held out by the poisoning
 guard (``alchemist.training.quarantine``) until an admin releases it, which makes it "queued" again, first in
-line. The log knows no training policy: what a rollback undid and how far one key's ratings count are the
-trainer's (``alchemist.training.taught``, ``alchemist.training.regression``), over what the log returns.
+line. The log knows no training policy: what a rollback undid and how far one key's ratings count are the trainer's
+(``alchemist.training.taught``, ``alchemist.training.regression``), over what the log returns.
+
+Each entry names the adapter that served its response (``adapter``; None: the shared adapter): the one it trains.
+Every adapter has its own queue, position and history, so the trainer's reads (``next_queued``, ``settled_through``,
+``queued_seqs``, ``oldest_queued``, ``skip_queued_before``, ``trained_corrections``, ``ratings``) take an
+``adapter`` and see only its entries; left out, the shared adapter's (``alchemist.feedback.adapter_log`` binds one
+for a named adapter's trainer, whose code then reads the log as the shared trainer does).
 
 Kinds: "sft" (learn ``response_token_ids``: the served output, or the user's correction), "negative" (a rating of
 -1 without a correction: the served output was bad), "preference" (``response_id``'s output was preferred over
@@ -72,6 +78,7 @@ class FeedbackEntry:
     quarantined_s: float | None = None
     released_s: float | None = None  # when an admin released it (it trains next, unchecked)
     key_name: str | None = None  # the API key that gave it (None: no keys, or logged before keys were kept)
+    adapter: str | None = None  # the named adapter that served the response, which it trains (None: the shared one)
 
 
 @runtime_checkable
@@ -98,6 +105,7 @@ class FeedbackLog(Protocol):
         feedback_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         key_name: str | None = None,
+        adapter: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
         """Writes an entry (durably: it survives a crash once this returns) unless one with the same submission
         (``idempotency_key``) exists; returns (entry, created). A bad entry (``check_entry``) raises ValueError and
@@ -124,13 +132,15 @@ class FeedbackLog(Protocol):
         ...
 
     # The trainer's queue.
-    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
-        """Up to ``limit`` queued entries in training order: released ones first (an admin is waiting for them),
-        then corrections, then the rest; in each, with ``own``, the entries whose response id holds it first (a
-        replica's own responses, whose records it holds: ``alchemist.scale.replica.id_tag``); oldest first. With
-        ``per_key``, each key's first ``per_key`` entries in that order come before any key's further ones (which
-        fill what the others leave free), so one key takes at most ``per_key`` places while others' feedback waits
-        (entries without a key count as one key)."""
+    def next_queued(
+        self, limit: int, per_key: int | None = None, own: str | None = None, adapter: str | None = None
+    ) -> list[FeedbackEntry]:
+        """Up to ``limit`` queued entries of ``adapter`` (its own queue) in training order: released ones first (an
+        admin is waiting for them), then corrections, then the rest; in each, with ``own``, the entries whose
+        response id holds it first (a replica's own responses, whose records it holds:
+        ``alchemist.scale.replica.id_tag``); oldest first. With ``per_key``, each key's first ``per_key`` entries in
+        that order come before any key's further ones (which fill what the others leave free), so one key takes at
+        most ``per_key`` places while others' feedback waits (entries without a key count as one key)."""
         ...
 
     def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
@@ -144,9 +154,11 @@ class FeedbackLog(Protocol):
         returns how many changed."""
         ...
 
-    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
-        """Marks skipped, for ``reason``, the queued entries of ``classes`` (``CLASSES``) that arrived (or were
-        released from quarantine) before ``created_before_s``; returns how many."""
+    def skip_queued_before(
+        self, classes: Sequence[str], created_before_s: float, reason: str, adapter: str | None = None
+    ) -> int:
+        """Marks skipped, for ``reason``, ``adapter``'s queued entries of ``classes`` (``CLASSES``) that arrived (or
+        were released from quarantine) before ``created_before_s``; returns how many."""
         ...
 
     def mark_quarantined(self, seq: int, reason: str, loss: float) -> bool:
@@ -159,20 +171,20 @@ class FeedbackLog(Protocol):
         their seqs, sorted."""
         ...
 
-    def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
-        """When the longest-waiting queued entry of class ``cls`` (``CLASSES``) not among the seqs ``excluding``
-        arrived (or was released from quarantine), as created_s; None if there is none."""
+    def oldest_queued(self, cls: str, excluding: Sequence[int] = (), adapter: str | None = None) -> float | None:
+        """When ``adapter``'s longest-waiting queued entry of class ``cls`` (``CLASSES``) not among the seqs
+        ``excluding`` arrived (or was released from quarantine), as created_s; None if there is none."""
         ...
 
-    def settled_through(self, excluding: Sequence[int] = ()) -> int:
-        """The largest seq up to which every entry is settled (trained, skipped, or quarantined: held for now; a
-        released one trains later, first in line, however far the position moved) or among ``excluding``; one
+    def settled_through(self, excluding: Sequence[int] = (), adapter: str | None = None) -> int:
+        """The largest seq up to which every entry of ``adapter`` is settled (trained, skipped, or quarantined: held
+        for now; a released one trains later, first in line, however far the position moved) or among ``excluding``; one
         consistent reading (an append in between cannot slip under the answer)."""
         ...
 
-    def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
-        """(seq, kind) of the queued entries (with seq <= ``through_seq``), oldest first; not those released from
-        quarantine (queued behind the position on purpose)."""
+    def queued_seqs(self, through_seq: int | None = None, adapter: str | None = None) -> list[tuple[int, str]]:
+        """(seq, kind) of ``adapter``'s queued entries (with seq <= ``through_seq``), oldest first; not those released
+        from quarantine (queued behind the position on purpose)."""
         ...
 
     # Reads for the API, the metrics, the dashboard and the trainer.
@@ -190,7 +202,12 @@ class FeedbackLog(Protocol):
         ...
 
     def backlog(self) -> dict[str, tuple[int, float | None]]:
-        """Queued entries by class (``CLASSES``): (count, the oldest's created_s or None), every class present."""
+        """Queued entries by class (``CLASSES``): (count, the oldest's created_s or None), every class present; every
+        adapter's together."""
+        ...
+
+    def backlog_by_adapter(self) -> dict[str | None, int]:
+        """Queued entries per adapter (None: the shared one), only adapters with some."""
         ...
 
     def quarantined(self) -> list[FeedbackEntry]:
@@ -198,14 +215,17 @@ class FeedbackLog(Protocol):
         ...
 
     def trained_corrections(
-        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False
-    ) -> list[FeedbackEntry]:
-        """Up to ``limit`` trained corrections (the facts people taught; with their ``trained_version``) with
-        ``after_seq`` < seq < ``before_seq`` (None: no upper bound), oldest first or ``newest_first``."""
+        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False,
+        adapter: str | None = None,
+    ) -> list[FeedbackEntry]:  # fmt: skip
+        """Up to ``limit`` of ``adapter``'s trained corrections (the facts people taught; with their
+        ``trained_version``) with ``after_seq`` < seq < ``before_seq`` (None: no upper bound), oldest first or
+        ``newest_first``."""
         ...
 
-    def ratings(self) -> dict[tuple[int, str | None], tuple[int, int]]:
-        """(thumbs up, thumbs down) per (adapter version that served the response, key name that rated it)."""
+    def ratings(self, adapter: str | None = None) -> dict[tuple[int, str | None], tuple[int, int]]:
+        """(thumbs up, thumbs down) of ``adapter``'s responses per (its version that served the response, key name
+        that rated it)."""
         ...
 
 
@@ -257,7 +277,7 @@ def decode_ids(blob: bytes) -> list[int]:
 INSERTED = (
     "idempotency_key", "response_id", "kind", "rating", "correction", "preferred_over", "prompt_token_ids",
     "response_token_ids", "output_token_ids", "rejected_token_ids", "adapter_version", "recorded", "created_s",
-    "comment", "feedback_id", "metadata", "key_name",
+    "comment", "feedback_id", "metadata", "key_name", "adapter",
 )  # fmt: skip
 CLASS = """(CASE WHEN correction IS NOT NULL THEN 'correction' WHEN kind = 'preference' THEN 'preference'
     WHEN rating = -1 THEN 'thumbs_down' ELSE 'thumbs_up' END)"""
@@ -280,6 +300,7 @@ def new_row(
     feedback_id: str | None,
     metadata: dict[str, Any] | None,
     key_name: str | None,
+    adapter: str | None = None,
 ) -> tuple[str, tuple]:
     """An append's entry checked (``check_entry``): its idempotency key and its ``INSERTED`` values."""
     check_entry(kind, rating, rejected_token_ids, metadata)
@@ -288,7 +309,7 @@ def new_row(
     encoded = None if metadata is None else json.dumps(metadata, ensure_ascii=False)
     return key, (key, response_id, kind, rating, correction, preferred_over, encode_ids(prompt_token_ids),
                  encode_ids(response_token_ids), encode_ids(output_token_ids), rejected, int(adapter_version),
-                 bool(recorded), time.time(), comment, feedback_id, encoded, key_name)  # fmt: skip
+                 bool(recorded), time.time(), comment, feedback_id, encoded, key_name, adapter)  # fmt: skip
 
 
 def entry_from_row(row: Mapping[str, Any]) -> FeedbackEntry:

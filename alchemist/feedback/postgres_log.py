@@ -57,6 +57,7 @@ from alchemist.feedback.postgres_schema import APPEND_LOCK, LOCK_CLASS, migrate
 
 _INSERT = f"INSERT INTO feedback ({', '.join(INSERTED)}) VALUES ({', '.join(['%s'] * len(INSERTED))}) RETURNING *"
 _COUNTED = {"kind": KINDS, "state": STATES}
+_OF_ADAPTER = "adapter IS NOT DISTINCT FROM %(adapter)s"  # an entry of the shared adapter has NULL: = never matches
 # The owners alive now: those whose one-key advisory lock (objsubid 1) is held in this database.
 _LIVE = """SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
     AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
@@ -113,13 +114,14 @@ class PostgresFeedbackLog:
         feedback_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         key_name: str | None = None,
+        adapter: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
         key, row = new_row(
             response_id=response_id, kind=kind, prompt_token_ids=prompt_token_ids,
             response_token_ids=response_token_ids, output_token_ids=output_token_ids, adapter_version=adapter_version,
             recorded=recorded, rating=rating, correction=correction, preferred_over=preferred_over,
             rejected_token_ids=rejected_token_ids, comment=comment, feedback_id=feedback_id, metadata=metadata,
-            key_name=key_name,
+            key_name=key_name, adapter=adapter,
         )
         with self._lock:
             db = self._db()
@@ -152,13 +154,16 @@ class PostgresFeedbackLog:
             return self._one("SELECT * FROM feedback WHERE feedback_id = %s", (feedback_id,))
         return self._one("SELECT * FROM feedback WHERE idempotency_key = %s", (key,))
 
-    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
+    def next_queued(
+        self, limit: int, per_key: int | None = None, own: str | None = None, adapter: str | None = None
+    ) -> list[FeedbackEntry]:
         mine = "strpos(response_id, %(own)s) = 0, " if own else ""
         order = f"released_s IS NULL, {CLASS} != 'correction', {mine}seq"
         # The head in training order among the entries nobody else holds and not passed over (``skip``).
         head_query = (
             f"SELECT seq FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
-            f"AS nth FROM feedback WHERE state = 'queued' AND {_CLAIMABLE} AND seq <> ALL(%(skip)s::bigint[])) AS q "
+            f"AS nth FROM feedback WHERE state = 'queued' AND {_OF_ADAPTER} AND {_CLAIMABLE} "
+            "AND seq <> ALL(%(skip)s::bigint[])) AS q "
             f"ORDER BY nth > %(per_key)s, {order} LIMIT %(limit)s"
         )
         lock_query = (
@@ -168,7 +173,7 @@ class PostgresFeedbackLog:
         with self._lock:
             db = self._db()
             args: dict[str, Any] = {"me": self.owner, "per_key": per_key if per_key is not None else limit,
-                                    "limit": limit, "skip": [], "own": own}  # fmt: skip
+                                    "limit": limit, "skip": [], "own": own, "adapter": adapter}  # fmt: skip
             with db.transaction():
                 # Each round locks the head's rows not yet locked; those another claimant holds locked are passed
                 # over and the head is taken again without them, until every row of the head is this owner's.
@@ -200,14 +205,17 @@ class PostgresFeedbackLog:
             raise ValueError("a skipped entry needs its reason")
         return self._settle(seqs, "state = 'skipped', skip_reason = %s", (reason,))
 
-    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
+    def skip_queued_before(
+        self, classes: Sequence[str], created_before_s: float, reason: str, adapter: str | None = None
+    ) -> int:
         if not classes:
             return 0
         with self._lock:
             return self._execute(
                 f"UPDATE feedback SET state = 'skipped', skip_reason = %s, settled_s = %s "
-                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < %s AND {CLASS} = ANY(%s)",
-                (reason, time.time(), created_before_s, list(classes)),
+                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < %s AND {CLASS} = ANY(%s) "
+                "AND adapter IS NOT DISTINCT FROM %s",
+                (reason, time.time(), created_before_s, list(classes), adapter),
             ).rowcount
 
     def mark_quarantined(self, seq: int, reason: str, loss: float) -> bool:
@@ -226,27 +234,29 @@ class PostgresFeedbackLog:
             ).fetchall()
         return sorted(r["seq"] for r in rows)
 
-    def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
+    def oldest_queued(self, cls: str, excluding: Sequence[int] = (), adapter: str | None = None) -> float | None:
         with self._lock:
             return self._execute(
                 f"SELECT MIN(COALESCE(released_s, created_s)) AS oldest FROM feedback WHERE state = 'queued' "
-                f"AND {CLASS} = %s AND seq <> ALL(%s::bigint[])", (cls, [int(s) for s in excluding]),
+                f"AND {CLASS} = %s AND adapter IS NOT DISTINCT FROM %s AND seq <> ALL(%s::bigint[])",
+                (cls, adapter, [int(s) for s in excluding]),
             ).fetchone()["oldest"]  # fmt: skip
 
-    def settled_through(self, excluding: Sequence[int] = ()) -> int:
+    def settled_through(self, excluding: Sequence[int] = (), adapter: str | None = None) -> int:
         with self._lock:  # one statement, one snapshot: an append in between cannot slip under the answer
             row = self._execute(
                 "SELECT (SELECT COALESCE(MAX(seq), 0) FROM feedback) AS last, (SELECT MIN(seq) FROM feedback "
-                "WHERE state = 'queued' AND seq <> ALL(%s::bigint[])) AS first", ([int(s) for s in excluding],),
+                "WHERE state = 'queued' AND adapter IS NOT DISTINCT FROM %s AND seq <> ALL(%s::bigint[])) AS first",
+                (adapter, [int(s) for s in excluding]),
             ).fetchone()  # fmt: skip
         return row["last"] if row["first"] is None else row["first"] - 1
 
-    def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
+    def queued_seqs(self, through_seq: int | None = None, adapter: str | None = None) -> list[tuple[int, str]]:
         with self._lock:
             rows = self._execute(
                 "SELECT seq, kind FROM feedback WHERE state = 'queued' AND released_s IS NULL AND seq <= %s "
-                "ORDER BY seq",
-                (through_seq if through_seq is not None else 2**62,),
+                "AND adapter IS NOT DISTINCT FROM %s ORDER BY seq",
+                (through_seq if through_seq is not None else 2**62, adapter),
             ).fetchall()
         return [(r["seq"], r["kind"]) for r in rows]
 
@@ -276,6 +286,11 @@ class PostgresFeedbackLog:
             ).fetchall()
         return {c: (0, None) for c in CLASSES} | {r["cls"]: (r["n"], r["oldest"]) for r in rows}
 
+    def backlog_by_adapter(self) -> dict[str | None, int]:
+        with self._lock:
+            rows = self._execute("SELECT adapter, COUNT(*) AS n FROM feedback WHERE state = 'queued' GROUP BY 1")
+            return {r["adapter"]: r["n"] for r in rows.fetchall()}
+
     def quarantined(self) -> list[FeedbackEntry]:
         return self._all(
             "SELECT * FROM feedback WHERE state = 'quarantined' OR (state = 'queued' AND released_s IS NOT NULL) "
@@ -283,20 +298,22 @@ class PostgresFeedbackLog:
         )  # fmt: skip
 
     def trained_corrections(
-        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False
-    ) -> list[FeedbackEntry]:
+        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False,
+        adapter: str | None = None,
+    ) -> list[FeedbackEntry]:  # fmt: skip
         return self._all(
             "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > %s AND seq < %s "
-            f"ORDER BY seq{' DESC' if newest_first else ''} LIMIT %s",
-            (after_seq, before_seq if before_seq is not None else 2**62, limit),
+            f"AND adapter IS NOT DISTINCT FROM %s ORDER BY seq{' DESC' if newest_first else ''} LIMIT %s",
+            (after_seq, before_seq if before_seq is not None else 2**62, adapter, limit),
         )
 
-    def ratings(self) -> dict[tuple[int, str | None], tuple[int, int]]:
+    def ratings(self, adapter: str | None = None) -> dict[tuple[int, str | None], tuple[int, int]]:
         with self._lock:
             rows = self._execute(
                 "SELECT adapter_version, key_name, COUNT(*) FILTER (WHERE rating = 1) AS up, "
-                "COUNT(*) FILTER (WHERE rating = -1) AS down FROM feedback WHERE rating IS NOT NULL GROUP BY 1, 2"
-            ).fetchall()
+                "COUNT(*) FILTER (WHERE rating = -1) AS down FROM feedback WHERE rating IS NOT NULL "
+                "AND adapter IS NOT DISTINCT FROM %s GROUP BY 1, 2", (adapter,),
+            ).fetchall()  # fmt: skip
         return {(r["adapter_version"], r["key_name"]): (r["up"], r["down"]) for r in rows}
 
     def _one(self, query: str, args: tuple) -> FeedbackEntry | None:

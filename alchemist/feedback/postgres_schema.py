@@ -1,10 +1,12 @@
 """The PostgreSQL feedback log's tables (``alchemist.feedback.postgres_log``), created on first connect.
 
-The table is the SQLite log's (``alchemist.feedback.schema``, version 4) in PostgreSQL's types, plus the claim:
+The table is the SQLite log's (``alchemist.feedback.schema``, version 5) in PostgreSQL's types, plus the claim:
 ``claimed_by``, the owner id of the log (one per process, ``PostgresFeedbackLog``) whose trainer has the entry in
 its next batch. ``feedback_schema`` holds the version; ``migrate`` creates what is missing in one transaction under
 an advisory lock (two replicas connecting at once: the second waits, then finds it done) and refuses a database
-from a newer version. Version 1 is the first.
+from a newer version. Version 1 is the first; version 2 adds ``adapter`` (the named adapter that served the
+response and that the entry trains; NULL: the shared one, as every entry of version 1 was), added in place to a
+version-1 table.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import psycopg
 
 from alchemist.feedback.log import KINDS, STATES
 
-VERSION = 1
+VERSION = 2
 
 # The two-key advisory locks the log takes (pg_locks' objsubid 2): its own class, so that they never meet an owner's
 # one-key lock (objsubid 1, ``PostgresFeedbackLog``) nor, but by a 1-in-2^32 chance, another application's.
@@ -55,6 +57,7 @@ TABLES = (
         quarantined_s DOUBLE PRECISION,
         released_s DOUBLE PRECISION,
         key_name TEXT,
+        adapter TEXT,  -- the named adapter that served the response, which it trains (NULL: the shared one)
         claimed_by BIGINT  -- the owner whose trainer holds it in its next batch (valid while that owner lives)
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS feedback_by_client_id ON feedback (feedback_id) WHERE feedback_id IS NOT NULL",
@@ -72,5 +75,8 @@ def migrate(conn: psycopg.Connection) -> None:
         version = conn.execute("SELECT MAX(version) AS version FROM feedback_schema").fetchone()["version"]
         if version is not None and version > VERSION:
             raise ValueError(f"feedback log schema version {version} is newer than this Alchemist's ({VERSION})")
+        conn.execute("ALTER TABLE feedback ADD COLUMN IF NOT EXISTS adapter TEXT")  # version 1's table lacks it
         if version is None:
             conn.execute("INSERT INTO feedback_schema (version) VALUES (%s)", (VERSION,))
+        elif version < VERSION:
+            conn.execute("UPDATE feedback_schema SET version = %s", (VERSION,))

@@ -13,7 +13,9 @@ the online trainer settles those it had passed before (``OnlineTrainer.restore``
 ``alchemist.training.quarantine``) and its columns: ``quarantine_reason``, ``quarantine_loss``, ``quarantined_s``,
 ``released_s``. A state's CHECK cannot be altered in place: a version-2 table is rebuilt (``_rebuild``), seqs kept.
 Version 4 adds ``key_name``: the name of the API key that gave the entry (NULL: no keys configured, or logged
-before version 4), so that the trainer can cap one key's share of a batch.
+before version 4), so that the trainer can cap one key's share of a batch. Version 5 adds ``adapter``: the named
+adapter that served the response and that the entry trains (NULL: the shared adapter, as every entry before version
+5 was), so that each adapter's trainer reads its own queue.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sqlite3
 
 from alchemist.feedback.log import STATES
 
-VERSION = 4
+VERSION = 5
 
 TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (
@@ -56,6 +58,7 @@ ADDED_COLUMNS = {
     "quarantined_s": "REAL",
     "released_s": "REAL",  # when an admin released it: it trains next, unchecked
     "key_name": "TEXT",  # the API key that gave it (its name in the keys file)
+    "adapter": "TEXT",  # the named adapter that served the response, which it trains (NULL: the shared one)
 }
 INDEXES = (
     # A client's feedback_id names one entry; most entries have none.

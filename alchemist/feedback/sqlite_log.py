@@ -31,6 +31,7 @@ from alchemist.feedback.schema import migrate
 
 _INSERT = f"INSERT INTO feedback ({', '.join(INSERTED)}) VALUES ({', '.join('?' * len(INSERTED))})"
 _COUNTED = {"kind": KINDS, "state": STATES}  # what counts() groups by, and the values it always answers
+_OF_ADAPTER = "adapter IS :adapter"  # IS: an entry of the shared adapter has NULL, which = never matches
 
 
 class SQLiteFeedbackLog:
@@ -72,13 +73,14 @@ class SQLiteFeedbackLog:
         feedback_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         key_name: str | None = None,
+        adapter: str | None = None,
     ) -> tuple[FeedbackEntry, bool]:
         key, row = new_row(
             response_id=response_id, kind=kind, prompt_token_ids=prompt_token_ids,
             response_token_ids=response_token_ids, output_token_ids=output_token_ids, adapter_version=adapter_version,
             recorded=recorded, rating=rating, correction=correction, preferred_over=preferred_over,
             rejected_token_ids=rejected_token_ids, comment=comment, feedback_id=feedback_id, metadata=metadata,
-            key_name=key_name,
+            key_name=key_name, adapter=adapter,
         )
         with self._lock:
             # Look, then insert, in one write transaction (IMMEDIATE: other processes wait at BEGIN, not at COMMIT).
@@ -117,13 +119,16 @@ class SQLiteFeedbackLog:
         with self._lock:
             return self._find(key)
 
-    def next_queued(self, limit: int, per_key: int | None = None, own: str | None = None) -> list[FeedbackEntry]:
+    def next_queued(
+        self, limit: int, per_key: int | None = None, own: str | None = None, adapter: str | None = None
+    ) -> list[FeedbackEntry]:
         mine = "instr(response_id, :own) = 0, " if own else ""
         order = f"released_s IS NULL, {CLASS} != 'correction', {mine}seq"
         return self._all(
             f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY COALESCE(key_name, '') ORDER BY {order}) "
-            f"AS nth FROM feedback WHERE state = 'queued') ORDER BY nth > :per_key, {order} LIMIT :limit",
-            {"per_key": per_key if per_key is not None else limit, "limit": limit, "own": own},
+            f"AS nth FROM feedback WHERE state = 'queued' AND {_OF_ADAPTER}) ORDER BY nth > :per_key, {order} "
+            "LIMIT :limit",
+            {"per_key": per_key if per_key is not None else limit, "limit": limit, "own": own, "adapter": adapter},
         )
 
     def mark_trained(self, seqs: Sequence[int], version: int | None) -> int:
@@ -134,15 +139,18 @@ class SQLiteFeedbackLog:
             raise ValueError("a skipped entry needs its reason")
         return self._settle(seqs, "state = 'skipped', skip_reason = ?", (reason,))
 
-    def skip_queued_before(self, classes: Sequence[str], created_before_s: float, reason: str) -> int:
+    def skip_queued_before(
+        self, classes: Sequence[str], created_before_s: float, reason: str, adapter: str | None = None
+    ) -> int:
         if not classes:
             return 0
         marks = ", ".join("?" * len(classes))
         with self._lock:
             return self._conn.execute(
                 f"UPDATE feedback SET state = 'skipped', skip_reason = ?, settled_s = ? "
-                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < ? AND {CLASS} IN ({marks})",
-                (reason, time.time(), created_before_s, *classes),
+                f"WHERE state = 'queued' AND COALESCE(released_s, created_s) < ? AND {CLASS} IN ({marks}) "
+                "AND adapter IS ?",
+                (reason, time.time(), created_before_s, *classes, adapter),
             ).rowcount
 
     def mark_quarantined(self, seq: int, reason: str, loss: float) -> bool:
@@ -162,33 +170,34 @@ class SQLiteFeedbackLog:
             ).fetchall()
         return sorted(seq for (seq,) in rows)
 
-    def oldest_queued(self, cls: str, excluding: Sequence[int] = ()) -> float | None:
+    def oldest_queued(self, cls: str, excluding: Sequence[int] = (), adapter: str | None = None) -> float | None:
         marks = ", ".join("?" * len(excluding))
         with self._lock:
             return self._conn.execute(
                 f"SELECT MIN(COALESCE(released_s, created_s)) FROM feedback WHERE state = 'queued' AND {CLASS} = ? "
-                f"AND seq NOT IN ({marks})", (cls, *excluding),
+                f"AND adapter IS ? AND seq NOT IN ({marks})", (cls, adapter, *excluding),
             ).fetchone()[0]  # fmt: skip
 
-    def settled_through(self, excluding: Sequence[int] = ()) -> int:
+    def settled_through(self, excluding: Sequence[int] = (), adapter: str | None = None) -> int:
         marks = ", ".join("?" * len(excluding))
         with self._lock:  # one read transaction: an append in between cannot slip under the answer
             self._conn.execute("BEGIN")
             try:
                 last = self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback").fetchone()[0]
                 first = self._conn.execute(
-                    f"SELECT MIN(seq) FROM feedback WHERE state = 'queued' AND seq NOT IN ({marks})", tuple(excluding)
+                    f"SELECT MIN(seq) FROM feedback WHERE state = 'queued' AND adapter IS ? AND seq NOT IN ({marks})",
+                    (adapter, *excluding),
                 ).fetchone()[0]
             finally:
                 self._conn.execute("COMMIT")
         return last if first is None else first - 1
 
-    def queued_seqs(self, through_seq: int | None = None) -> list[tuple[int, str]]:
+    def queued_seqs(self, through_seq: int | None = None, adapter: str | None = None) -> list[tuple[int, str]]:
         with self._lock:
             rows = self._conn.execute(
                 "SELECT seq, kind FROM feedback WHERE state = 'queued' AND released_s IS NULL AND seq <= ? "
-                "ORDER BY seq",
-                (through_seq if through_seq is not None else 2**62,),
+                "AND adapter IS ? ORDER BY seq",
+                (through_seq if through_seq is not None else 2**62, adapter),
             ).fetchall()
         return [(seq, kind) for seq, kind in rows]
 
@@ -217,6 +226,11 @@ class SQLiteFeedbackLog:
             ).fetchall()
         return {c: (0, None) for c in CLASSES} | {c: (n, oldest) for c, n, oldest in rows}
 
+    def backlog_by_adapter(self) -> dict[str | None, int]:
+        with self._lock:
+            rows = self._conn.execute("SELECT adapter, COUNT(*) FROM feedback WHERE state = 'queued' GROUP BY 1")
+            return dict(rows.fetchall())
+
     def quarantined(self) -> list[FeedbackEntry]:
         return self._all(
             "SELECT * FROM feedback WHERE state = 'quarantined' OR (state = 'queued' AND released_s IS NOT NULL) "
@@ -224,20 +238,21 @@ class SQLiteFeedbackLog:
         )  # fmt: skip
 
     def trained_corrections(
-        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False
-    ) -> list[FeedbackEntry]:
+        self, limit: int, after_seq: int = 0, before_seq: int | None = None, newest_first: bool = False,
+        adapter: str | None = None,
+    ) -> list[FeedbackEntry]:  # fmt: skip
         return self._all(
             "SELECT * FROM feedback WHERE state = 'trained' AND correction IS NOT NULL AND seq > ? AND seq < ? "
-            f"ORDER BY seq{' DESC' if newest_first else ''} LIMIT ?",
-            (after_seq, before_seq if before_seq is not None else 2**62, limit),
+            f"AND adapter IS ? ORDER BY seq{' DESC' if newest_first else ''} LIMIT ?",
+            (after_seq, before_seq if before_seq is not None else 2**62, adapter, limit),
         )
 
-    def ratings(self) -> dict[tuple[int, str | None], tuple[int, int]]:
+    def ratings(self, adapter: str | None = None) -> dict[tuple[int, str | None], tuple[int, int]]:
         with self._lock:
             rows = self._conn.execute(
                 "SELECT adapter_version, key_name, SUM(rating = 1), SUM(rating = -1) FROM feedback "
-                "WHERE rating IS NOT NULL GROUP BY 1, 2"
-            ).fetchall()
+                "WHERE rating IS NOT NULL AND adapter IS ? GROUP BY 1, 2", (adapter,),
+            ).fetchall()  # fmt: skip
         return {(version, key): (up, down) for version, key, up, down in rows}
 
     def _one(self, query: str, args: tuple) -> FeedbackEntry | None:

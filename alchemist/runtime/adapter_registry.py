@@ -18,7 +18,10 @@ Each registration gets a version of its own (the engine's prefix cache is keyed 
 page-in serves the same weights under the same version, so cached prompt blocks stay valid across evictions, while a
 name unloaded and loaded again from another directory never meets the old one's blocks.
 
-Named adapters are served frozen: nothing trains them (per-adapter training is not built yet).
+A trained adapter (one with an online trainer of its own, ``alchemist.runtime.trainers``: those given at start,
+``trained``, and those ``load``ed with ``train``) is not paged: its trainer sets its versions in the engine, where
+it stays, outside the ``max_loras`` slots (a page-in from its directory would serve the weights as loaded, not as
+trained). It cannot be unloaded (its trainer would set it again). The others are served frozen.
 
 Threads: ``register`` before the event loop runs; everything else on the event loop thread (no locks: state only
 changes between awaits). The disk read runs in a worker thread; the engine's copy of a page-in (``set_adapter``) is
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +54,7 @@ class _Entry:
 
 class AdapterRegistry:
     def __init__(self, engine: LLMEngine, max_loras: int = 4, max_cpu_loras: int | None = None,
-                 reserved: Iterable[str] = ()) -> None:  # fmt: skip
+                 reserved: Iterable[str] = (), trained: Container[str] = ()) -> None:  # fmt: skip
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1 (got {max_loras})")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
@@ -60,6 +63,7 @@ class AdapterRegistry:
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras if max_cpu_loras is not None else max_loras
         self.reserved = {BASE, *reserved}  # names no adapter may take: the base model's
+        self.trained = trained  # names whose trainers keep them in the engine (register: not paged)
         self._entries: dict[str, _Entry] = {}
         self._slots: OrderedDict[str, None] = OrderedDict()  # adapters in the engine, least recently used first
         self._cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # adapters read, least recently used first
@@ -75,18 +79,32 @@ class AdapterRegistry:
         """Registers the adapter directory ``path`` under ``name``, reading it now; ValueError if the name is taken
         or invalid, or the directory is not a PEFT LoRA adapter this model can serve."""
         self._check_name(name)
-        self._add(name, Path(path), self._read(Path(path)))
+        adapter = self._read(Path(path))
+        if name in self.trained:  # in the engine already, set there by its trainer
+            self._add_trained(name, Path(path))
+            return
+        self._add(name, Path(path), adapter)
 
-    async def load(self, name: str, path: str | Path) -> None:
-        """``register`` at run time: the directory is read in a worker thread."""
+    async def load(
+        self, name: str, path: str | Path, train: Callable[[str, LoraAdapter], Awaitable[None]] | None = None
+    ) -> None:
+        """``register`` at run time: the directory is read in a worker thread. With ``train``, awaited with the
+        adapter read, its trainer is started first (``alchemist.runtime.trainers``), which sets it in the engine:
+        it is then served as trained (not paged); its errors (ValueError) are the load's."""
         self._check_name(name)
         adapter = await asyncio.to_thread(self._read, Path(path))
         self._check_name(name)  # another load of the name may have finished meanwhile
-        self._add(name, Path(path), adapter)
+        if train is None:
+            self._add(name, Path(path), adapter)
+            return
+        await train(name, adapter)
+        self._add_trained(name, Path(path))
 
     def unload(self, name: str) -> None:
-        """Forgets ``name`` (KeyError if unknown) and takes it out of the engine: requests in flight finish with
-        it, later ones naming it are refused."""
+        """Forgets ``name`` (KeyError if unknown; ValueError if trained) and takes it out of the engine: requests
+        in flight finish with it, later ones naming it are refused."""
+        if name in self.trained and name in self._entries:
+            raise ValueError(f"adapter {name!r} is trained online here: it cannot be unloaded (its trainer serves it)")
         entry = self._entries.pop(name)
         self._cpu.pop(name, None)
         if self._slots.pop(name, "absent") is None and not entry.loading:
@@ -116,7 +134,8 @@ class AdapterRegistry:
                 raise KeyError(name)
             if entry.in_engine and not entry.loading:
                 entry.users += 1
-                self._slots.move_to_end(name)
+                if name in self._slots:  # a trained adapter holds no slot
+                    self._slots.move_to_end(name)
                 return
             if not entry.in_engine and self._make_room():
                 await self._page_in(name, entry)
@@ -152,6 +171,10 @@ class AdapterRegistry:
         self._entries[name] = _Entry(path, self._next_version)
         self._next_version += 1
         self._keep(name, adapter)
+        self._notify()
+
+    def _add_trained(self, name: str, path: Path) -> None:
+        self._entries[name] = _Entry(path, 0, in_engine=True)  # its version is its trainer's, set in the engine
         self._notify()
 
     def _keep(self, name: str, adapter: LoraAdapter) -> None:

@@ -12,6 +12,7 @@ feedback log are here only, so that a change of their constructors touches this 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 from alchemist.activations.store import ActivationStore
@@ -19,10 +20,12 @@ from alchemist.config import Config, ServerConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.backends import open_feedback_log
 from alchemist.model.loader import load_model
+from alchemist.model.peft_format import load_adapter
 from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.runtime.objective import resolve_objective
 from alchemist.runtime.system import System
 from alchemist.runtime.time_share import TimeShare
+from alchemist.runtime.trainers import Trainers, named_trainer
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.lineage import as_trained
 from alchemist.training.lockstep import Lockstep
@@ -56,18 +59,26 @@ def build_around(
     not read here), with the online trainer of ``config.online`` stepping beside it: it replays from ``store`` (the
     one the engine records into: by default ``engine.store``) and publishes to the engine, which it knows only by
     ``alchemist.training.seams``' Protocols. The feedback log and the adapters live under ``config.server``'s
-    data_dir. The latency objective is the engine's config's, its zeros derived here from probe steps
-    (``alchemist.runtime.objective``): call this in the thread that will step the engine."""
+    data_dir. The named adapters of ``config.server.lora_modules``, and those loaded at run time
+    (``Trainers.start``), are trained too, each by a trainer of its own (``alchemist.runtime.trainers``; not in
+    lockstep, whose replicas train the shared adapter only). The latency objective is the engine's config's, its
+    zeros derived here from probe steps (``alchemist.runtime.objective``): call this in the thread that will step
+    the engine."""
     online, server = config.online, config.server
     store = store if store is not None else engine.store
     feedback_log = open_feedback_log(server.feedback_db_path)
     checkpoints = AdapterCheckpoints(Path(server.data_dir) / "adapters", online.adapter.keep_versions)
     objective = resolve_objective(engine)  # probe steps, if derived: before any request
-    trainer = time_share = None
+    trainer = trainers = time_share = None
     if online.enabled:
         trainer = OnlineTrainer.from_config(engine.model, engine.tokenizer, engine, store, feedback_log, checkpoints,
                                             online, lockstep)  # resumes from its checkpoint  # fmt: skip
-        time_share = TimeShare(trainer, objective, engine.waiting_since)
+        make = partial(named_trainer, engine, store, feedback_log, online, server.data_dir)
+        trainers = Trainers(trainer, make if lockstep is None else None)
+        for name, path in server.lora_module_paths if lockstep is None else ():
+            initial = load_adapter(Path(path), engine.model.config, engine.model.device)
+            trainers.add(name, make(name, initial))
+        time_share = TimeShare(trainers, objective, engine.waiting_since)
     elif (serving := checkpoints.serving()) is not None:  # training off: serve the version training left serving
         adapter, _, _ = checkpoints.load(serving.version, engine.model.config, engine.model.device)
         undone = serving.metrics.get("undone", [])
@@ -75,7 +86,7 @@ def build_around(
     async_engine = AsyncEngine(engine, own_step_thread=own_step_thread, time_share=time_share)
     feedback_log.add_listener(lambda entry: async_engine.wake())  # new feedback: the trainer may have a batch
     return System(config, engine, store, feedback_log, checkpoints, trainer, objective, time_share, async_engine,
-                  names)  # fmt: skip
+                  names, trainers)  # fmt: skip
 
 
 def served_model_names(server_config: ServerConfig, source: Path, model_arg: str | None) -> list[str]:

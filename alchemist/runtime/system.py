@@ -22,6 +22,7 @@ from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.runtime.async_engine import AsyncEngine
 from alchemist.runtime.objective import LatencyObjective
 from alchemist.runtime.time_share import TimeShare
+from alchemist.runtime.trainers import Trainers
 from alchemist.training.checkpoint import AdapterCheckpoints
 from alchemist.training.online import OnlineTrainer
 
@@ -38,6 +39,7 @@ class System:
     time_share: TimeShare | None  # training's slices between engine steps (None without a trainer)
     async_engine: AsyncEngine  # the stepping loop, and the bridge that streams its outputs to asyncio
     names: list[str]  # the model names served: the one responses carry first, then its aliases
+    trainers: Trainers | None = None  # the shared trainer and the named adapters' (None without a trainer)
 
     def observe(
         self,

@@ -2,6 +2,8 @@
 
     GET  /v1/adapters            -> AdapterList (newest first; which one is serving; each version's training metrics)
     POST /v1/adapters/rollback   {"version": 3} -> AdapterInfo of the new version that serves version 3's weights
+    GET  /v1/adapters?adapter=team-a, POST /v1/adapters/rollback {"version": 1, "adapter": "team-a"}: a named
+                                 adapter's versions (its own trainer's: alchemist.runtime.trainers)
 
 The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
 trainer's (``OnlineTrainer.rollback``): asked for here, in the server's thread pool, and done by the stepping thread
@@ -13,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from alchemist.engine import LLMEngine
-from alchemist.server.errors import AdapterNotFoundError, TrainingDisabledError
+from alchemist.runtime.trainers import Trainers
+from alchemist.server.auth import ANONYMOUS, Caller
+from alchemist.server.errors import (
+    AdapterNotFoundError,
+    NamedAdapterNotFoundError,
+    PermissionDeniedError,
+    TrainingDisabledError,
+)
 from alchemist.server.protocol import AdapterInfo, AdapterList, RollbackRequest
 from alchemist.training.checkpoint import AdapterCheckpoints, VersionInfo
 from alchemist.training.online import OnlineTrainer
@@ -26,29 +35,48 @@ class AdapterService:
         trainer: OnlineTrainer | None,
         checkpoints: AdapterCheckpoints | None,
         wake: Callable[[], None] = lambda: None,
+        trainers: Trainers | None = None,
     ):
+        """``trainers``: the named adapters' trainers too (None: the shared adapter's alone)."""
         self.engine = engine
         self.trainer = trainer
         self.checkpoints = checkpoints
         self.wake = wake  # the stepping thread looks for work now (a rollback is some)
+        self.trainers = trainers
 
-    def list(self) -> AdapterList:
-        serving = self.engine.adapter_version
-        versions = self.checkpoints.versions() if self.checkpoints is not None else []
+    def list(self, adapter: str | None = None, caller: Caller = ANONYMOUS) -> AdapterList:
+        """The versions of the shared adapter, or of the named ``adapter`` where ``caller`` may use it (a 403)."""
+        if adapter is not None and not caller.may_use(adapter):
+            raise PermissionDeniedError(f"The key {caller.name!r} may not see the adapter {adapter!r} (a user key "
+                                        "sees only its own adapter)")  # fmt: skip
+        trainer, checkpoints, serving = self._of(adapter)
+        versions = checkpoints.versions() if checkpoints is not None else []
         data = [self._info(v, serving) for v in sorted(versions, key=lambda v: -v.version)]
-        return AdapterList(serving_version=serving, training=self.trainer is not None, data=data)
+        return AdapterList(serving_version=serving, training=trainer is not None, data=data)
 
     def rollback(self, req: RollbackRequest) -> AdapterInfo:
-        if self.trainer is None or self.checkpoints is None:
+        trainer, checkpoints, _ = self._of(req.adapter)
+        if trainer is None or checkpoints is None:
             raise TrainingDisabledError()
         try:
-            done = self.trainer.rollback(req.version)
+            done = trainer.rollback(req.version)
             self.wake()
             version = done.result()  # this thread waits; the stepping thread does the work
         except KeyError:
-            raise AdapterNotFoundError(req.version, [v.version for v in self.checkpoints.versions()]) from None
-        info = next(v for v in self.checkpoints.versions() if v.version == version)
+            raise AdapterNotFoundError(req.version, [v.version for v in checkpoints.versions()]) from None
+        info = next(v for v in checkpoints.versions() if v.version == version)
         return self._info(info, version)
+
+    def _of(self, adapter: str | None) -> tuple[OnlineTrainer | None, AdapterCheckpoints | None, int]:
+        """(its trainer, its checkpoints, the version serving) of the shared adapter (None) or a trained named one
+        (NamedAdapterNotFoundError, a 404, for another name)."""
+        if adapter is None:
+            return self.trainer, self.checkpoints, self.engine.adapter_version
+        named = self.trainers.named if self.trainers is not None else {}
+        if adapter not in named:
+            raise NamedAdapterNotFoundError(adapter, sorted(named), param="adapter", what="trained")
+        trainer = named[adapter]
+        return trainer, trainer.checkpoints, self.engine.named_adapters.get(adapter, 0)
 
     @staticmethod
     def _info(v: VersionInfo, serving: int) -> AdapterInfo:

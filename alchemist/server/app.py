@@ -12,6 +12,7 @@ Every error, whoever raises it (pydantic, the service, the engine, the body guar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
@@ -28,9 +29,11 @@ from alchemist.activations.record import record_bytes_per_token
 from alchemist.config import ServerConfig, is_loopback
 from alchemist.engine import LLMEngine, QueueFullError
 from alchemist.host_memory import allocator_in_use
+from alchemist.model.lora import LoraAdapter
 from alchemist.runtime import System
 from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.runtime.async_engine import AsyncEngine
+from alchemist.runtime.trainers import served_path
 from alchemist.server.adapters import AdapterService
 from alchemist.server.auth import KeyStore
 from alchemist.server.completions_registry import CompletionsRegistry
@@ -226,9 +229,10 @@ def create_app(system: System) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.registry = registry  # for the feedback routes
     app.state.feedback_log = system.feedback_log
-    app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len)
+    app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len,
+                                         system.trainers.named if system.trainers is not None else ())  # fmt: skip
     app.state.trainer = trainer
-    app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake)
+    app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake, system.trainers)
     app.state.named_adapters = serving.named = _named_adapters(system)
     metrics.watch_adapters(serving.named.registry)
     return app
@@ -237,11 +241,22 @@ def create_app(system: System) -> FastAPI:
 def _named_adapters(system: System) -> NamedAdapters:
     """The named adapters (--lora-modules read now: a bad one stops start-up with its ValueError)."""
     config, engine = system.config.server, system.engine
-    registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names)
+    trainers = system.trainers
+    trained = trainers.named if trainers is not None else ()
+    registry = AdapterRegistry(engine, config.max_loras, config.max_cpu_loras, reserved=system.names, trained=trained)
     for name, path in config.lora_module_paths:
-        registry.register(name, path)
+        # one nothing trains here serves the version its training left serving, if it was trained before
+        registry.register(name, path if name in trained else served_path(config.data_dir, name, path))
     assert engine.config.max_model_len is not None
-    return NamedAdapters(registry, system.names, engine.config.max_model_len)
+    train = None
+    if trainers is not None and trainers.trains_at_run_time:
+
+        async def train(name: str, adapter: LoraAdapter) -> None:
+            done = trainers.start(name, adapter)
+            system.async_engine.wake()  # the stepping thread makes the trainer, in a slice
+            await asyncio.wrap_future(done)
+
+    return NamedAdapters(registry, system.names, engine.config.max_model_len, train)
 
 
 def _key_limits(config: ServerConfig, engine: LLMEngine) -> KeyLimits:

@@ -93,19 +93,19 @@ class FeedbackConflictError(ValueError):
 
 
 class NamedAdapterNotFoundError(LookupError):
-    """/v1/unload_lora_adapter names no loaded adapter (404)."""
+    """/v1/unload_lora_adapter names no loaded adapter, or /v1/adapters no trained one (404)."""
 
-    def __init__(self, name: str, loaded: list[str]):
-        super().__init__(f"No LoRA adapter named {name!r} is loaded (loaded: {', '.join(loaded) or 'none'})")
-        self.param = "lora_name"
+    def __init__(self, name: str, loaded: list[str], param: str = "lora_name", what: str = "loaded"):
+        super().__init__(f"No LoRA adapter named {name!r} is {what} ({what}: {', '.join(loaded) or 'none'})")
+        self.param = param
 
 
 class AdapterNotTrainedError(ValueError):
-    """Feedback on a response that a named adapter served: only the shared adapter is trained online (409)."""
+    """Feedback on a response of a named adapter that nothing trains here (409)."""
 
     def __init__(self, adapter: str, param: str):
         super().__init__(
-            f"The response was served by the named adapter {adapter!r}, which is served frozen: feedback trains only "
-            "the shared adapter, and training per adapter is not built yet; nothing was logged"
+            f"The response was served by the named adapter {adapter!r}, which is served frozen (this server trains "
+            "no named adapter: --no-train, or replicas); nothing was logged"
         )
         self.param = param

@@ -11,15 +11,19 @@ first attempt wrote (``created`` False), even once the response itself has expir
 under a used id is a 409), and ``GET /v1/feedback/{feedback_id}`` answers as ``GET /v1/feedback/fb-<seq>`` does.
 ``comment`` and ``metadata`` are kept with the entry and shown, never trained on.
 
-Feedback trains the shared adapter only: on a response that a named adapter served (``alchemist.server
-.named_adapters``; those are served frozen until training per adapter exists) it is refused with a 409
-``adapter_not_trained``, and nothing is logged.
+Feedback trains the adapter that served the response, never another: the entry names it (``adapter``; None: the
+shared one), and that adapter's trainer alone reads it (``alchemist.runtime.trainers``). On a response of a named
+adapter that nothing trains here (``alchemist.server.named_adapters``: served frozen, where the server does not
+train named adapters) it is refused with a 409 ``adapter_not_trained``, and nothing is logged; a preference pair
+names two responses of one adapter.
 
 Kinds: a correction -> "sft" on (prompt, the correction as a reply ending in the end-of-turn id); rating 1 ->
 "sft" on (prompt, served output); rating -1 -> "negative"; preferred_over -> "preference".
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
 
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog, idempotency_key
 from alchemist.feedback.schema import STATES
@@ -39,8 +43,11 @@ MAX_LIST = 1000  # entries in one GET /v1/feedback
 
 
 class FeedbackService:
-    def __init__(self, log: FeedbackLog, registry: CompletionsRegistry, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, log: FeedbackLog, registry: CompletionsRegistry, tokenizer: Tokenizer, max_model_len: int,
+                 trained: Container[str] = ()) -> None:  # fmt: skip
+        """``trained``: the named adapters trained here, whose responses take feedback."""
         self.log = log
+        self.trained = trained
         self.registry = registry
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -87,6 +94,7 @@ class FeedbackService:
             feedback_id=req.feedback_id,
             metadata=req.metadata,
             key_name=key_name,
+            adapter=record.adapter_name,
         )
         return self._repeat(entry, req) if not created else _response(entry, created)
 
@@ -128,10 +136,10 @@ class FeedbackService:
         return _response(entry, created=False)
 
     def _check_trained(self, response_id: str | None, param: str) -> None:
-        """AdapterNotTrainedError if a named adapter served the response: the shared adapter must never learn from
-        it. Unknown ids pass: the lookup answers them with its 404."""
+        """AdapterNotTrainedError if a named adapter that nothing trains here served the response: no other adapter
+        may learn from it. Unknown ids pass: the lookup answers them with its 404."""
         record = self.registry.get(response_id) if response_id is not None else None
-        if record is not None and record.adapter_name is not None:
+        if record is not None and record.adapter_name is not None and record.adapter_name not in self.trained:
             raise AdapterNotTrainedError(record.adapter_name, param)
 
     def _lookup(self, response_id: str, param: str) -> CompletionRecord:
@@ -146,6 +154,11 @@ class FeedbackService:
                 "preferred_over must name a different response than response_id", "preferred_over"
             )
         worse = self._lookup(response_id, "preferred_over")
+        if worse.adapter_name != better.adapter_name:  # a pair trains one adapter: both answers must be its own
+            raise InvalidRequestError(
+                f"preferred_over ({response_id!r}) was served by another adapter than response_id ({better.id!r})",
+                "preferred_over",
+            )
         if worse.prompt_token_ids != better.prompt_token_ids:
             # A preference pair compares two answers to one prompt; across prompts it teaches nothing.
             raise InvalidRequestError(

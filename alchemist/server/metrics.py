@@ -213,6 +213,12 @@ class _FeedbackStateCollector(Collector):
             age.add_metric([kind], 0.0 if oldest is None else now - oldest)
         yield count
         yield age
+        per_adapter = GaugeMetricFamily(PREFIX + "feedback_backlog_by_adapter", "Feedback queued for training, per "
+                                        "adapter it trains (\"\": the shared one; named ones with some).",
+                                        labels=["adapter"])  # fmt: skip
+        for adapter, n in ({None: 0} | self.log.backlog_by_adapter()).items():
+            per_adapter.add_metric([adapter or ""], n)
+        yield per_adapter
         states = GaugeMetricFamily(PREFIX + "feedback_entries", "Feedback log entries by state.", labels=["state"])
         for state, n in self.log.counts("state").items():
             states.add_metric([state], n)

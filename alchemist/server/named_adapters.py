@@ -17,12 +17,16 @@ A response's ``model`` names the adapter that answered it (the base model's serv
 name) and ``root`` (its directory), as vLLM's cards have them.
 
 The adapters themselves (on disk, paged into the engine on demand) are ``alchemist.runtime.adapter_registry``'s.
-They are served frozen: feedback on their responses is refused (``alchemist.server.feedback``), since only the
-shared adapter is trained online.
+Where the server trains online, each adapter loaded (at start or at run time) is trained from the feedback on its
+own responses (``alchemist.runtime.trainers``); else it is served frozen and feedback on its responses is refused
+(``alchemist.server.feedback``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+from alchemist.model.lora import LoraAdapter
 from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.server.auth import Caller
 from alchemist.server.errors import ModelNotFoundError, NamedAdapterNotFoundError, PermissionDeniedError
@@ -30,8 +34,11 @@ from alchemist.server.protocol import DeletedModel, LoadLoRAAdapterRequest, Mode
 
 
 class NamedAdapters:
-    def __init__(self, registry: AdapterRegistry, served_model_names: list[str], max_model_len: int):
+    def __init__(self, registry: AdapterRegistry, served_model_names: list[str], max_model_len: int,
+                 train: Callable[[str, LoraAdapter], Awaitable[None]] | None = None) -> None:  # fmt: skip
+        """``train``: starts a run-time load's trainer (None: loads are served frozen)."""
         self.registry = registry
+        self.train = train
         self.served_model_names = served_model_names
         self.base_name = served_model_names[0]
         self.max_model_len = max_model_len
@@ -71,10 +78,11 @@ class NamedAdapters:
     async def load(self, req: LoadLoRAAdapterRequest) -> ModelCard:
         """Serves the adapter directory ``lora_path`` as the model ``lora_name``; the registry's ValueError (a name
         taken or invalid, a path that holds no adapter this model can serve) is a 400."""
-        await self.registry.load(req.lora_name, req.lora_path)
+        await self.registry.load(req.lora_name, req.lora_path, self.train)
         return self._card(req.lora_name, req.lora_path)
 
     def unload(self, req: UnloadLoRAAdapterRequest) -> DeletedModel:
+        """Stops serving ``lora_name``; a trained one's ValueError is a 400."""
         try:
             self.registry.unload(req.lora_name)
         except KeyError:

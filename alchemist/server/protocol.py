@@ -442,3 +442,4 @@ class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(ge=0)
+    adapter: str | None = None  # a named adapter's versions (None: the shared adapter's)

@@ -107,9 +107,10 @@ async def dashboard_series(
     return series.snapshot(since)
 
 
-@router.get("/v1/adapters", responses=errors(401))
-def adapters(request: Request, caller: Caller = Depends(user)) -> AdapterList:
-    return request.app.state.adapters.list()
+@router.get("/v1/adapters", responses=errors(401, 403, 404))
+def adapters(request: Request, adapter: str | None = None, caller: Caller = Depends(user)) -> AdapterList:
+    """The shared adapter's versions, or with ``adapter`` a named adapter's (one the key may use)."""
+    return request.app.state.adapters.list(adapter, caller)
 
 
 @router.post("/v1/adapters/rollback", responses=errors(400, 401, 403, 404, 413))
@@ -122,7 +123,8 @@ def rollback(body: RollbackRequest, request: Request, caller: Caller = Depends(a
 async def load_lora_adapter(
     body: LoadLoRAAdapterRequest, request: Request, caller: Caller = Depends(admin)
 ) -> ModelCard:
-    """vLLM's: serve a PEFT adapter directory under a name, frozen (alchemist.server.named_adapters)."""
+    """vLLM's: serve a PEFT adapter directory under a name, trained from then on where the server trains
+    (alchemist.server.named_adapters)."""
     return await request.app.state.named_adapters.load(body)
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from alchemist.config.training import AnchorsConfig
-from alchemist.model.llama import Llama
+from alchemist.model.llama import Adapter, Llama
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.losses import Targets, log_probs
 from alchemist.training.recompute import responses_hidden_slices
@@ -51,15 +51,15 @@ from alchemist.training.trainer import Sample
 
 @torch.no_grad()
 def references_slices(
-    model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int
+    model: Llama, samples: Sequence[tuple[list[int], list[int]]], top_k: int, reference: Adapter | None = None
 ) -> Generator[None, None, list[Targets]]:
-    """The base model's (no adapter) top-k log-probabilities at the response positions P-1..P+R-2 of each
-    (prompt ids, response ids), from one forward over all of them, in slices: each layer of the forward, then
-    each anchor's top-k over the vocabulary (the whole forward of a group of four long anchors was a wait of
-    seconds for serving: docs/benchmarks.md, "Why the defaults", slices)."""
+    """The base model's (no adapter; with ``reference``, that adapter's) top-k log-probabilities at the response
+    positions P-1..P+R-2 of each (prompt ids, response ids), from one forward over all of them, in slices: each
+    layer of the forward, then each anchor's top-k over the vocabulary (the whole forward of a group of four long
+    anchors was a wait of seconds for serving: docs/benchmarks.md, "Why the defaults", slices)."""
     pairs = [(torch.tensor(p, device=model.device), torch.tensor(r, device=model.device)) for p, r in samples]
     targets = []
-    for hidden in (yield from responses_hidden_slices(model, None, pairs)):
+    for hidden in (yield from responses_hidden_slices(model, reference, pairs)):
         if targets:
             yield
         logprobs = log_probs(model.logits(hidden))
@@ -156,8 +156,11 @@ class BatchAnchors:
     in turn, batch by batch), each with the base model's top-k distribution there, computed once per anchor."""
 
     def __init__(self, model: Llama, pool: AnchorPool, known_facts: list[Anchor], config: AnchorsConfig,
-                 group_size: int) -> None:  # fmt: skip
+                 group_size: int, reference: Adapter | None = None) -> None:  # fmt: skip
+        """``reference``: what the anchors keep the adapter close to, over the base model (None: the base model
+        alone; a named adapter as loaded, which its trainer must not pull back to the base model)."""
         self.model, self.pool, self.known_facts = model, pool, known_facts
+        self.reference = reference
         self.config, self.group_size = config, group_size
         self.known_next = 0  # the next known fact to anchor on
 
@@ -173,7 +176,8 @@ class BatchAnchors:
         new = [(anchor, response) for anchor, response in anchors if anchor.targets is None]
         for start in range(0, len(new), self.group_size):
             group = new[start : start + self.group_size]
-            targets = yield from references_slices(self.model, [(a.prompt_ids, r) for a, r in group], c.top_k)
+            pairs = [(a.prompt_ids, r) for a, r in group]
+            targets = yield from references_slices(self.model, pairs, c.top_k, self.reference)
             for (anchor, _), anchor_targets in zip(group, targets, strict=True):
                 anchor.targets = anchor_targets
             yield

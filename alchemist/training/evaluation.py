@@ -106,8 +106,12 @@ Pair = tuple[list[int], list[int]]  # (prompt ids, response ids)
 
 
 class EvaluationGate:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateConfig, group_size: int = 4):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateConfig, group_size: int = 4,
+                 reference: Adapter | None = None) -> None:  # fmt: skip
+        """``reference``: what a candidate is held to, over the base model (None: the base model alone; a named
+        adapter as loaded, whose own difference from the base model is no regression of its trainer's)."""
         self.model = model
+        self.reference = reference
         self.bounds = bounds
         self.group_size = group_size
         chats = json.loads(HELDOUT_FILE.read_text())
@@ -161,7 +165,7 @@ class EvaluationGate:
 
     def _base_values_slices(self) -> Generator[None, None, Values]:
         if self._base is None:
-            self._base = yield from self._values_slices(None)
+            self._base = yield from self._values_slices(self.reference)
         return self._base
 
     def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, Values]:

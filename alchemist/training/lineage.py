@@ -86,15 +86,18 @@ class Lineage:
         config: AdapterConfig,
         watch: RollbackConfig,
         key_share: float,
+        initial: LoraAdapter | None = None,
     ) -> None:
         """The versions of ``trainer``'s adapter: published to ``publisher``, kept in ``checkpoints``, their
         entries settled in ``log`` (``queue`` reads it again after a change; ``quarantine`` holds what an
         unpromoted version trained). ``watch``: the regression watch's bounds; one key counts ``key_share`` of the
-        ratings it needs at most."""
+        ratings it needs at most. ``initial``: the adapter it starts from (a named adapter as loaded, its version 1:
+        ``restore``), None for a fresh one that serves the base model (the shared adapter, its version 0)."""
         self.trainer, self.adapter, self.stats = trainer, trainer.adapter, trainer.stats
         self.publisher, self.log, self.checkpoints = publisher, log, checkpoints
         self.queue, self.quarantine = queue, quarantine
         self.config, self.watch, self.key_share = config, watch, key_share
+        self.initial = initial
         self.position = 0  # every log entry up to this seq is settled (trained, skipped, held) as of the checkpoint
         # Versions a rollback undid, as [lo, hi] ranges (lo < version <= hi): what they trained is not rehearsed.
         # Every checkpoint carries the ranges its weights stand for ("undone"), so a restart or a later rollback
@@ -111,8 +114,16 @@ class Lineage:
     # --- state ---------------------------------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Continue from the latest checkpoint (if any): its adapter served, its optimizer state, its position."""
+        """Continue from the latest checkpoint (if any): its adapter served, its optimizer state, its position. An
+        ``initial`` adapter is checkpointed first, as version 1, when there is none: a named adapter always serves
+        a version >= 1 (the engine's version 0 is the base model, whose cached prefixes it must not share)."""
         latest = self.checkpoints.latest()
+        if latest is None and self.initial is not None:
+            self.load_initial()
+            self.adapter.version = 1
+            position = self.log.settled_through()  # where this adapter's queue starts
+            state = self.trainer.optimizer.state_dict()
+            latest = run_to_end(self.checkpoints.save_slices(1, self.adapter, state, position, {"initial": True}))
         if latest is None:
             return
         served = self.load_serving()
@@ -171,8 +182,9 @@ class Lineage:
         self.adapter.taught = taught_prompts(self.log, version, self.undone) if self.adapter.cut else []
 
     def load_initial(self) -> None:
-        """The adapter as it starts (B = 0: it serves exactly the base model's outputs), a fresh optimizer."""
-        initial = LoraAdapter(self.adapter.model_config, self.adapter.config, seed=self.config.seed)
+        """The adapter as it starts (B = 0: it serves exactly the base model's outputs; or ``initial``'s weights), a
+        fresh optimizer."""
+        initial = self.initial or LoraAdapter(self.adapter.model_config, self.adapter.config, seed=self.config.seed)
         self.adapter.load_state_dict(initial.state_dict())
         self.trainer.optimizer.state.clear()
         self.undone = []

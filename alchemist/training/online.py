@@ -123,30 +123,35 @@ class OnlineTrainer:
         checkpoints: AdapterCheckpoints,
         config: OnlineConfig,
         lockstep: Lockstep | None = None,
+        initial: LoraAdapter | None = None,
     ) -> OnlineTrainer:
         """Trains an adapter of ``model`` (the one serving, shared: never changed here) from ``log``, replays
         records from ``store`` (None: none) and publishes the versions it makes to ``publisher``; continues from
         the latest of ``checkpoints``; with ``lockstep``, in lockstep with the other replicas. Each part is built
-        from its section of ``config``."""
+        from its section of ``config``. ``initial``: the adapter to start from, with its own rank and targets (a
+        named adapter as loaded: ``alchemist.runtime.trainers``; no preference ranks are split off it; the anchors and
+        the evaluation gate hold the trained adapter close to it rather than to the base model; KTO's and DPO's
+        reference stays the base model), else a fresh one of ``config.adapter``."""
         c = config
-        adapter = LoraAdapter(model.config, adapter_config(c.adapter), device=model.device, seed=c.adapter.seed)
+        lora = adapter_config(c.adapter) if initial is None else initial.config
+        adapter = LoraAdapter(model.config, lora, device=model.device, seed=c.adapter.seed)
         trainer = Trainer(model, adapter, store, c.trainer, lockstep.data_parallel if lockstep else None)
-        if c.adapter.preference_r:  # its last ranks only thumbs and pairs train (alchemist.training.rank_split)
+        if c.adapter.preference_r and initial is None:  # its last ranks only thumbs and pairs train (rank_split)
             trainer.split = RankSplit(adapter, c.adapter.preference_r, cut=c.adapter.route_corrections)
         pool = AnchorPool(c.anchors.pool_size)  # the server offers finished completions
         facts = known_fact_anchors(tokenizer) if c.anchors.known_facts else []
-        anchors = BatchAnchors(model, pool, facts, c.anchors, c.trainer.group_size)
+        anchors = BatchAnchors(model, pool, facts, c.anchors, c.trainer.group_size, initial)
         # Feedback on a prompt: neither the response nor its prompt is an anchor any more.
         queue = FeedbackQueue(log, c.queue, c.objectives.thumbs_up,
                               lambda e: pool.exclude(e.response_id, e.prompt_token_ids))  # fmt: skip
         trainer.stats.skipped = queue.skipped
         quarantine = Quarantine(log, on_release=queue.changed)
         lineage = Lineage(trainer, publisher, log, checkpoints, queue, quarantine, c.adapter, c.rollback,
-                          c.queue.key_share)  # fmt: skip
+                          c.queue.key_share, initial)  # fmt: skip
         gate = None
         if c.gate.enabled and c.enabled:
             try:
-                gate = EvaluationGate(model, tokenizer, c.gate, c.trainer.group_size)
+                gate = EvaluationGate(model, tokenizer, c.gate, c.trainer.group_size, initial)
             except ValueError as e:  # a tokenizer without a chat template: nothing to ask the canaries with
                 logger.warning("no evaluation gate (%s): new adapter versions serve unevaluated", e)
         online = cls(c, tokenizer, log, trainer, queue, lineage, anchors, Rehearsal(log, c.rehearsal),

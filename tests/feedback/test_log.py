@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from alchemist.feedback.adapter_log import AdapterLog
 from alchemist.feedback.log import FeedbackEntry, FeedbackLog
 from alchemist.feedback.postgres_log import PostgresFeedbackLog
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
@@ -91,7 +92,7 @@ def test_an_implementation_has_every_method_of_the_protocol_with_its_signature(i
     """The Protocol is the one place callers learn the log from: an implementation may not drift from it."""
     methods = [name for name, member in vars(FeedbackLog).items() if inspect.isfunction(member)
                and not name.startswith("_")]  # fmt: skip
-    assert len(methods) == 21
+    assert len(methods) == 22
     for name in methods:
         promised = inspect.signature(getattr(FeedbackLog, name))
         assert str(inspect.signature(getattr(implementation, name))) == str(promised), name
@@ -358,3 +359,38 @@ def test_a_replica_takes_its_own_responses_feedback_first(log: FeedbackLog):
     assert [e.seq for e in log.next_queued(2, own="-r7-")] == [fix, theirs[0]]  # none of its own: the others'
 
 
+
+
+def test_each_adapter_has_its_own_queue_position_and_history(log: FeedbackLog):
+    """An entry names the adapter that served its response (None: the shared one); each adapter's trainer sees only
+    its own: the shared queue only NULL's, a named adapter's (``AdapterLog``, or ``adapter=``) only its name's."""
+    shared = [log.append(**submission(f"s{i}", correction=f"Shared {i}."))[0].seq for i in range(2)]
+    team_a = [log.append(**submission(f"a{i}", correction=f"A {i}.", adapter="team-a"))[0].seq for i in range(3)]
+    team_b = log.append(**submission("b0", kind="negative", rating=-1, adapter="team-b", adapter_version=7))[0].seq
+    assert [log.get(seq).adapter for seq in (shared[0], team_a[0], team_b)] == [None, "team-a", "team-b"]
+    view = AdapterLog(log, "team-a")
+    protocol = [name for name, member in vars(FeedbackLog).items() if inspect.isfunction(member)]
+    assert all(callable(getattr(view, name)) for name in protocol) and view.get(team_a[0]) == log.get(team_a[0])
+    assert [e.seq for e in log.next_queued(10)] == shared
+    assert [e.seq for e in log.next_queued(10, adapter="team-a")] == [e.seq for e in view.next_queued(10)] == team_a
+    assert [e.seq for e in log.next_queued(10, adapter="team-b")] == [team_b]
+    assert log.next_queued(10, adapter="team-c") == []
+    assert log.queued_seqs() == [(s, "sft") for s in shared] and view.queued_seqs() == [(s, "sft") for s in team_a]
+    assert log.backlog_by_adapter() == {None: 2, "team-a": 3, "team-b": 1}
+    created = {e.seq: e.created_s for e in log.read()}
+    assert view.oldest_queued("correction") == created[team_a[0]]
+    assert log.oldest_queued("correction") == created[shared[0]] and log.oldest_queued("thumbs_down") is None
+    # Positions: another adapter's queued entries hold no adapter's position back.
+    log.mark_trained(shared, 1)
+    assert log.settled_through() == log.last_seq() and view.settled_through() == team_a[0] - 1
+    assert log.settled_through(adapter="team-b") == team_b - 1
+    log.mark_trained(team_a[:2], 1)
+    assert view.settled_through(excluding=team_a[2:]) == log.last_seq()
+    assert [e.seq for e in log.trained_corrections(10)] == shared
+    assert [e.seq for e in view.trained_corrections(10, newest_first=True)] == team_a[1::-1]
+    assert log.ratings() == {(3, None): (2, 0)} and view.ratings() == {(3, None): (3, 0)}
+    assert log.ratings(adapter="team-b") == {(7, None): (0, 1)}
+    # The backlog policy skips only its own adapter's entries.
+    assert view.skip_queued_before(["correction", "thumbs_down"], float("inf"), "behind") == 1
+    assert log.get(team_a[2]).state == "skipped" and log.get(team_b).state == "queued"
+    assert log.backlog_by_adapter() == {"team-b": 1}

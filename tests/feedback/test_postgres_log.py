@@ -169,6 +169,19 @@ def test_the_schema_is_made_once_when_many_connect_at_once(postgres_url: str, lo
         assert conn.execute("SELECT version FROM feedback_schema").fetchall() == [(VERSION,)]
 
 
+def test_a_version_1_database_gains_the_adapter(postgres_url: str, logs):
+    """Entries logged before adapters trained are the shared adapter's (NULL), and stay in its queue."""
+    seq = logs().append(**submission("r0"))[0].seq
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE feedback DROP COLUMN adapter")
+        conn.execute("UPDATE feedback_schema SET version = 1")
+    log = logs()
+    assert log.get(seq).adapter is None and seqs(log.next_queued(10)) == [seq]
+    assert log.append(**submission("r1", adapter="team-a"))[0].adapter == "team-a"
+    with psycopg.connect(postgres_url) as conn:
+        assert conn.execute("SELECT version FROM feedback_schema").fetchall() == [(VERSION,)] == [(2,)]
+
+
 def test_a_database_of_a_newer_schema_is_refused(postgres_url: str, logs):
     logs()
     with psycopg.connect(postgres_url, autocommit=True) as conn:

@@ -36,7 +36,24 @@ def test_a_version_3_file_gains_the_key_name(tmp_path: Path):
     try:
         assert log.get(seq).key_name is None and log.get(seq).state == "queued"
         assert log.append(**submission("r1", key_name="bob"))[0].key_name == "bob"
-        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 4
+        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION
+    finally:
+        log.close()
+
+
+def test_a_version_4_file_gains_the_adapter(tmp_path: Path):
+    """Entries logged before adapters trained are the shared adapter's (NULL), and stay in its queue."""
+    path = tmp_path / "feedback.sqlite"
+    log = SQLiteFeedbackLog(path)
+    seq = log.append(**submission("r0"))[0].seq
+    log._conn.execute("ALTER TABLE feedback DROP COLUMN adapter")
+    log._conn.execute("PRAGMA user_version = 4")
+    log.close()
+    log = SQLiteFeedbackLog(path)
+    try:
+        assert log.get(seq).adapter is None and [e.seq for e in log.next_queued(10)] == [seq]
+        assert log.append(**submission("r1", adapter="team-a"))[0].adapter == "team-a"
+        assert log._conn.execute("PRAGMA user_version").fetchone()[0] == VERSION == 5
     finally:
         log.close()
 

@@ -45,3 +45,19 @@ def test_the_gate_blocks_a_version_that_no_longer_gives_a_canarys_answer(smollm2
     assert not evaluation.promoted
     assert evaluation.reason == f"canary {FRANCE!r}: the model no longer answers ' Paris' (lost {drop:.2f} nats)"
     assert evaluation.as_dict()["canary_lost"] == [FRANCE]
+
+
+def test_a_named_adapter_is_held_to_itself_as_loaded_not_to_the_base_model(smollm2):
+    """A named adapter's trainer gives the gate the adapter as loaded as its reference: that adapter's own distance
+    from the base model is no regression (held to the base model, it would be refused)."""
+    model, tok = smollm2.model, smollm2.tokenizer
+    loaded = LoraAdapter(model.config, seed=3)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in loaded.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    to_base = run_to_end(EvaluationGate(model, tok, GateConfig()).evaluate_slices(loaded, [], []))
+    assert not to_base.promoted and to_base.heldout_ppl_rise > 0, to_base.as_dict()
+    to_itself = run_to_end(EvaluationGate(model, tok, GateConfig(), reference=loaded).evaluate_slices(loaded, [], []))
+    assert to_itself.promoted and to_itself.heldout_ppl_rise == 0.0, to_itself.as_dict()
+    assert set(to_itself.canary_drops.values()) == {0.0}
