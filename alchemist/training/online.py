@@ -138,6 +138,8 @@ class OnlineTrainer:
         trainer = Trainer(model, adapter, store, c.trainer, lockstep.data_parallel if lockstep else None)
         if c.adapter.preference_r and initial is None:  # its last ranks only thumbs and pairs train (rank_split)
             trainer.split = RankSplit(adapter, c.adapter.preference_r, cut=c.adapter.route_corrections)
+        if initial is not None:  # the protected directions are kept out of what it learns, not out of what it was
+            trainer.origin = {key: a.detach().to(adapter.A[key]).clone() for key, a in initial.A.items()}
         pool = AnchorPool(c.anchors.pool_size)  # the server offers finished completions
         facts = known_fact_anchors(tokenizer) if c.anchors.known_facts else []
         anchors = BatchAnchors(model, pool, facts, c.anchors, c.trainer.group_size, initial)
@@ -393,7 +395,7 @@ class OnlineTrainer:
             )
             logger.info("protected directions: %s", self.trainer.protected.describe())
         if self.trainer.protected is not None:  # also an adapter just reset, restored or rolled back to (idempotent)
-            self.trainer.protected.project_(self.adapter, self.trainer.split)
+            self.trainer.protected.project_(self.adapter, self.trainer.split, self.trainer.origin)
         return anchors
 
     def _taught_slices(self) -> Generator[None, None, tuple[list[Pair], list[float]]]:

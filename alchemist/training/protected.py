@@ -148,14 +148,20 @@ class ProtectedSubspace:
         return f"{kept} of {total} input directions over {len(self.bases)} seams, {mib:.0f} MiB"
 
     @torch.no_grad()
-    def project_(self, adapter: LoraAdapter, split: RankSplit | None = None) -> None:
+    def project_(
+        self, adapter: LoraAdapter, split: RankSplit | None = None, origin: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Each seam's A loses its components along the protected directions: A <- A - (A M) M^T, or A <- (A F) F^T
-        with the free directions F. With ``split``, only the rows of its shared ranks (preferences' are free)."""
+        with the free directions F. With ``split``, only the rows of its shared ranks (preferences' are free). With
+        ``origin`` (per seam, the A an adapter made elsewhere was loaded with), only what moved from it: that adapter's
+        own directions are its maker's, and taking them out would change its answers before it learned anything."""
         for key, basis in self.bases.items():
             a = adapter.A[key] if split is None else split.a_rows(adapter.A[key], preference=False)
-            inside = ((a.float() @ basis) @ basis.t()).to(a.dtype)
+            start = None if origin is None else origin[key] if split is None else split.a_rows(origin[key], False)
+            moved = a if start is None else a - start
+            inside = ((moved.float() @ basis) @ basis.t()).to(a.dtype)
             if key in self.free:
-                a.copy_(inside)
+                a.copy_(inside if start is None else start + inside)
             else:
                 a.sub_(inside)
 

@@ -98,6 +98,7 @@ class Trainer:
         self.stats = TrainingStats()  # the OnlineTrainer counts its batches into the same
         self.costs = CostModel()  # measured read and compute speeds, for reload-or-recompute plans
         self.protected: ProtectedSubspace | None = None  # directions each update keeps out of the adapter's A
+        self.origin: dict[str, torch.Tensor] | None = None  # an adapter made elsewhere: its A as loaded (project_'s)
         self.split: RankSplit | None = None  # ranks only preference objectives train (alchemist.training.rank_split)
         self.data_parallel = data_parallel  # None: this process's step alone
 
@@ -313,7 +314,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.protected is not None:
-            self.protected.project_(self.adapter, self.split)
+            self.protected.project_(self.adapter, self.split, self.origin)
         self.adapter.version += 1
         self.stats.steps += 1
 

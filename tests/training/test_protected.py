@@ -69,6 +69,34 @@ def test_projection_removes_the_protected_directions_from_every_seam(tiny_dirs):
         run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 1.0, _chats(2, 1)))
 
 
+def test_an_adapter_made_elsewhere_keeps_its_own_directions_and_only_its_update_is_projected(tiny_dirs):
+    """A named adapter loaded from PEFT (``origin``: its A as loaded): projecting it as loaded changes nothing, and
+    after an update only the update loses the protected directions (taking them out of its own A would change
+    its answers before it learned anything)."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = LoraAdapter(model.config, seed=0)
+    protected = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9, _chats(12, 1)))
+    origin = {key: a.detach().clone() for key, a in adapter.A.items()}
+    protected.project_(adapter, origin=origin)
+    assert all(torch.equal(adapter.A[key], a) for key, a in origin.items())  # as loaded: untouched
+    g = torch.Generator().manual_seed(1)
+    steps = {key: torch.randn(a.shape, generator=g) * 1e-2 for key, a in origin.items()}
+    with torch.no_grad():
+        for key, step in steps.items():
+            adapter.A[key].add_(step)
+    protected.project_(adapter, origin=origin)
+    for key, a in origin.items():
+        basis = protected.protected_basis(key)
+        moved = adapter.A[key] - a
+        assert (moved @ basis).abs().max() < 1e-5, key  # the update keeps out of the protected directions
+        assert (a @ basis).abs().max() > 1e-3  # ... while the adapter's own A still has them
+        torch.testing.assert_close(moved, step_without(steps[key], basis), rtol=0, atol=1e-6)
+
+
+def step_without(step: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    return step - (step @ basis) @ basis.t()
+
+
 def test_trained_adapter_stays_orthogonal_and_ordinary_deltas_shrink(engine, tmp_path):
     # The online trainer with protection on (the default) and without: after the same batches, every seam's A
     # is still out of the protected directions in its corrections' ranks (the preference ranks are free), and the
