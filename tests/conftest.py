@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -69,17 +70,26 @@ def _run_wide(config: pytest.Config, name: str, start) -> dict:
 
 def _start_ray() -> dict:
     """A local Ray head (``ray start``) on this machine's cores, counted four times over: each replica's torch
-    threads are its own setting (alchemist.scale.serve.replica_cpus), and two test modules' replicas may share it."""
+    threads are its own setting (alchemist.scale.serve.replica_cpus), and two test modules' replicas may share it.
+    Token authentication on, with a token of the run's own (``ray_address`` hands it to the processes that join)."""
     port = _free_port()
     cpus = 4 * (os.cpu_count() or 1)
+    token = secrets.token_hex(32)
     started = subprocess.run([_ray(), "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
                               "--include-dashboard=false", "--disable-usage-stats",
                               f"--object-store-memory={80 << 20}"],
-                             check=True, capture_output=True, text=True, timeout=180)  # fmt: skip
+                             env=os.environ | _ray_auth(token), check=True, capture_output=True, text=True,
+                             timeout=180)  # fmt: skip
     # Ray binds the node's address, not the loopback: the address to join is the one it prints.
     address = re.search(r"--address='([^']+)'", started.stdout + started.stderr)
     assert address is not None, started.stdout + started.stderr
-    return {"address": address.group(1)}
+    return {"address": address.group(1), "token": token}
+
+
+def _ray_auth(token: str) -> dict[str, str]:
+    """The environment that starts or joins a cluster with token authentication and ``token``: given as a variable,
+    not in ~/.ray/auth_token, which a fresh machine lacks (its `ray start` then fails) and another run may hold."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
 
 def _ray() -> str:
@@ -122,12 +132,13 @@ def postgres_server(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def ray_address(request: pytest.FixtureRequest) -> Iterator[str]:
-    """One local Ray cluster for the whole test run: what `alchemist serve --ray-address` joins. Ray 2.5x's `ray
-    start` turns token authentication on, and a driver that joins sends its token (~/.ray/auth_token, which `ray
-    start` wrote) only when RAY_AUTH_MODE says so: set for this worker and the processes it starts."""
+    """One local Ray cluster for the whole test run: what `alchemist serve --ray-address` joins, with the run's
+    token set for this worker and the processes it starts (a driver without it is refused)."""
+    described = _run_wide(request.config, "ray", _start_ray)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "token")
-        yield _run_wide(request.config, "ray", _start_ray)["address"]
+        for name, value in _ray_auth(described["token"]).items():
+            patch.setenv(name, value)
+        yield described["address"]
 
 
 @pytest.fixture
