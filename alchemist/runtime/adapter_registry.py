@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from alchemist.config.server import ADAPTER_NAME
 from alchemist.engine import LLMEngine
@@ -121,6 +122,14 @@ class AdapterRegistry:
     @property
     def num_in_engine(self) -> int:
         return len(self._slots)
+
+    def residence(self, name: str) -> Literal["engine", "memory", "disk"]:
+        """Where ``name``'s weights are now (KeyError if not registered): "engine" (a request is served without a
+        wait; a trained adapter always), "memory" (kept read: a page-in without a disk read), else "disk"."""
+        entry = self._entries[name]
+        if entry.in_engine and not entry.loading:
+            return "engine"
+        return "memory" if name in self._cpu else "disk"
 
     # --- serving ------------------------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
     POST /v1/adapters/rollback   {"version": 3} -> AdapterInfo of the new version that serves version 3's weights
     GET  /v1/adapters?adapter=team-a, POST /v1/adapters/rollback {"version": 1, "adapter": "team-a"}: a named
                                  adapter's versions (its own trainer's: alchemist.runtime.trainers)
+    GET  /v1/adapters/summary    -> AdapterSummaryList: every adapter the caller may use at a glance (the
+                                 dashboard's table): version serving, training, feedback queued, where its weights are
 
 The versions live in the online trainer's checkpoints (``alchemist.training.checkpoint``); a rollback is the
 trainer's (``OnlineTrainer.rollback``): asked for here, in the server's thread pool, and done by the stepping thread
@@ -15,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from alchemist.engine import LLMEngine
+from alchemist.feedback.log import FeedbackLog
+from alchemist.runtime.adapter_registry import AdapterRegistry
 from alchemist.runtime.trainers import Trainers
 from alchemist.server.auth import ANONYMOUS, Caller
 from alchemist.server.errors import (
@@ -23,7 +27,7 @@ from alchemist.server.errors import (
     PermissionDeniedError,
     TrainingDisabledError,
 )
-from alchemist.server.protocol import AdapterInfo, AdapterList, RollbackRequest
+from alchemist.server.protocol import AdapterInfo, AdapterList, AdapterSummary, AdapterSummaryList, RollbackRequest
 from alchemist.training.checkpoint import AdapterCheckpoints, VersionInfo
 from alchemist.training.online import OnlineTrainer
 
@@ -36,13 +40,18 @@ class AdapterService:
         checkpoints: AdapterCheckpoints | None,
         wake: Callable[[], None] = lambda: None,
         trainers: Trainers | None = None,
+        log: FeedbackLog | None = None,
+        registry: AdapterRegistry | None = None,
     ):
-        """``trainers``: the named adapters' trainers too (None: the shared adapter's alone)."""
+        """``trainers``: the named adapters' trainers too (None: the shared adapter's alone); ``log`` and
+        ``registry`` (the named adapters served) for ``summary`` (None: no backlog, no named adapters)."""
         self.engine = engine
         self.trainer = trainer
         self.checkpoints = checkpoints
         self.wake = wake  # the stepping thread looks for work now (a rollback is some)
         self.trainers = trainers
+        self.log = log
+        self.registry = registry
 
     def list(self, adapter: str | None = None, caller: Caller = ANONYMOUS) -> AdapterList:
         """The versions of the shared adapter, or of the named ``adapter`` where ``caller`` may use it (a 403)."""
@@ -53,6 +62,29 @@ class AdapterService:
         versions = checkpoints.versions() if checkpoints is not None else []
         data = [self._info(v, serving) for v in sorted(versions, key=lambda v: -v.version)]
         return AdapterList(serving_version=serving, training=trainer is not None, data=data)
+
+    def summary(self, caller: Caller = ANONYMOUS) -> AdapterSummaryList:
+        """The shared adapter, then each named adapter ``caller`` may use (those /v1/models lists for it), by name.
+        On the event loop thread: the registry's state is that thread's (``alchemist.runtime.adapter_registry``)."""
+        backlog = self.log.backlog_by_adapter() if self.log is not None else {}  # one query for every adapter
+        trains = self.trainer is not None
+        rows = [AdapterSummary(adapter=None, serving_version=self.engine.adapter_version, training="on" if trains
+                               else "off", backlog=backlog.get(None, 0), residence="engine")]  # fmt: skip
+        if self.registry is None:
+            return AdapterSummaryList(data=rows)
+        trained = self.trainers.named if self.trainers is not None else {}
+        versions = self.engine.named_adapters
+        for name in sorted(self.registry.paths()):
+            if not caller.may_use(name):
+                continue
+            # An untrained adapter's engine version is the registry's (a prefix-cache key), not a version of its
+            # own: it has none here, so none is shown.
+            version = versions.get(name, 0) if name in trained else None
+            training = "on" if name in trained else "frozen" if trains else "off"
+            residence = self.registry.residence(name)
+            rows.append(AdapterSummary(adapter=name, serving_version=version, training=training,
+                                       backlog=backlog.get(name, 0), residence=residence))  # fmt: skip
+        return AdapterSummaryList(data=rows)
 
     def rollback(self, req: RollbackRequest) -> AdapterInfo:
         trainer, checkpoints, _ = self._of(req.adapter)

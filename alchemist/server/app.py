@@ -232,8 +232,9 @@ def create_app(system: System) -> FastAPI:
     app.state.feedback = FeedbackService(system.feedback_log, registry, engine.tokenizer, engine.config.max_model_len,
                                          system.trainers.named if system.trainers is not None else ())  # fmt: skip
     app.state.trainer = trainer
-    app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake, system.trainers)
     app.state.named_adapters = serving.named = _named_adapters(system)
+    app.state.adapters = AdapterService(engine, trainer, system.checkpoints, async_engine.wake, system.trainers,
+                                        system.feedback_log, serving.named.registry)  # fmt: skip
     metrics.watch_adapters(serving.named.registry)
     return app
 

@@ -436,6 +436,28 @@ class AdapterList(OpenAIModel):
     data: list[AdapterInfo]
 
 
+class AdapterSummary(OpenAIModel):
+    """GET /v1/adapters/summary: one adapter at a glance (the dashboard's row for it)."""
+
+    adapter: str | None  # a named adapter's name; None: the shared adapter
+    object: Literal["adapter.summary"] = "adapter.summary"
+    # The version it serves (0: the shared adapter's base model); None: a named adapter nothing trains here, served
+    # from its directory (its model card's ``root``) with no versions of its own.
+    serving_version: int | None
+    # "on": its trainer runs; "frozen": the server trains, but not this named adapter (replicas train the shared
+    # one only); "off": the server trains nothing (--no-train).
+    training: Literal["on", "frozen", "off"]
+    backlog: int  # its feedback entries queued for training
+    # Where its weights are: "engine" (served without a wait: the shared adapter and trained ones always),
+    # "memory" (read, paged into the engine on its next request), "disk" (read from its directory then).
+    residence: Literal["engine", "memory", "disk"]
+
+
+class AdapterSummaryList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterSummary]  # the shared adapter first, then the named ones the caller may use, by name
+
+
 class RollbackRequest(BaseModel):
     """Serve an earlier adapter version again (0: the base model). It is published as a new version."""
 

@@ -17,6 +17,7 @@ from alchemist.server.openapi import errors, json_or_stream, text
 from alchemist.server.protocol import (
     AdapterInfo,
     AdapterList,
+    AdapterSummaryList,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -111,6 +112,13 @@ async def dashboard_series(
 def adapters(request: Request, adapter: str | None = None, caller: Caller = Depends(user)) -> AdapterList:
     """The shared adapter's versions, or with ``adapter`` a named adapter's (one the key may use)."""
     return request.app.state.adapters.list(adapter, caller)
+
+
+@router.get("/v1/adapters/summary", responses=errors(401))
+async def adapters_summary(request: Request, caller: Caller = Depends(user)) -> AdapterSummaryList:
+    """Every adapter the key may use at a glance: the shared one, and the named ones /v1/models lists for it. An
+    async def: the adapter registry's state is the event loop's (the log's count is one small query)."""
+    return request.app.state.adapters.summary(caller)
 
 
 @router.post("/v1/adapters/rollback", responses=errors(400, 401, 403, 404, 413))

@@ -64,6 +64,9 @@ def test_the_least_recently_used_idle_adapter_is_evicted(tiny_model, adapter_dir
 
     asyncio.run(scenario())
     assert (registry.num_loads, registry.num_evictions, registry.num_in_engine) == (3, 1, 2)
+    # the last max_cpu_loras (2) read stay in memory: team-1, evicted, pages in again without a disk read
+    assert {name: registry.residence(name) for name in adapter_dirs} == {
+        "team-0": "engine", "team-1": "memory", "team-2": "engine", "team-3": "disk", "team-4": "disk"}  # fmt: skip
 
 
 def test_a_request_waits_while_every_slot_is_held(tiny_model, adapter_dirs):

@@ -205,6 +205,40 @@ def test_feedback_on_a_named_adapters_response_is_refused(named):
     assert chat(server, keys["alice"], MODEL_NAME).model == "team-a"  # still serving
 
 
+def test_the_adapters_summary_has_a_row_per_adapter_the_key_may_use(named):
+    """GET /v1/adapters/summary: the shared adapter, then the named ones the key may use (those /v1/models lists
+    for it). Nothing trains here (--no-train): the shared adapter's feedback stays queued (its backlog), and the
+    named ones are served as loaded, with no versions; a request pages its adapter into the engine."""
+    server, keys, _ = named
+    summary = lambda key: httpx.get(server.base_url + "/v1/adapters/summary", timeout=30,  # noqa: E731
+                                    headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    before = summary(keys["ops"]).json()["data"][0]["backlog"]
+    shared = chat(server, keys["bob"], MODEL_NAME)
+    assert post(server, "/v1/feedback", keys["bob"], {"response_id": shared.id, "rating": 1}).status_code == 200
+    assert chat(server, keys["alice"], MODEL_NAME).model == "team-a"  # in the engine now: the latest paged in
+
+    listed = summary(keys["ops"])
+    assert listed.status_code == 200 and listed.json()["object"] == "list", listed.text
+    rows = listed.json()["data"]
+    assert [row["adapter"] for row in rows] == [None, *sorted(set(model_ids(server, keys["ops"])) - {MODEL_NAME})]
+    assert {f"many-{i:02d}" for i in range(NUM_MANY)} < {row["adapter"] for row in rows}
+    assert rows[0] == {"adapter": None, "object": "adapter.summary", "serving_version": 0, "training": "off",
+                       "backlog": before + 1, "residence": "engine"}  # fmt: skip
+    named_rows = {row["adapter"]: row for row in rows[1:]}
+    assert {(row["serving_version"], row["training"], row["backlog"]) for row in named_rows.values()} == {
+        (None, "off", 0)}  # fmt: skip
+    assert named_rows["team-a"]["residence"] == "engine"
+    residences = [row["residence"] for row in named_rows.values()]
+    # at most --max-loras in the engine, as many kept read (max_cpu_loras: the same), the rest on disk
+    assert residences.count("engine") <= MAX_LORAS and residences.count("memory") <= MAX_LORAS
+    assert residences.count("disk") >= len(residences) - 2 * MAX_LORAS
+
+    # a user key sees the shared adapter and its own alone; without a key, the OpenAI-shaped 401
+    assert [row["adapter"] for row in summary(keys["alice"]).json()["data"]] == [None, "team-a"]
+    assert [row["adapter"] for row in summary(keys["bob"]).json()["data"]] == [None]
+    assert_error(httpx.get(server.base_url + "/v1/adapters/summary", timeout=30), 401, "invalid_api_key")
+
+
 # --- (c) more adapters than the engine holds ----------------------------------------------------------------------
 
 

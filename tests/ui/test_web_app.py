@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
+from collections.abc import Callable
 
 import httpx
 from playwright.sync_api import Page, expect
@@ -79,6 +81,66 @@ def test_reply_streams_and_a_correction_trains_into_a_new_version(open_page, web
     dashboard.get_by_role("button", name="Roll back to v0").click()  # a rollback is published as a new version
     expect(dashboard.locator("#serving")).to_contain_text(f"Serving v{version + 1}")
     expect(dashboard.locator(f'#timeline li[data-version="{version + 1}"]')).to_contain_text("rollback to v0")
+
+
+def test_the_dashboard_has_a_row_per_adapter_and_rolls_back_the_one_chosen(open_page, web_server):
+    """The adapters table (GET /v1/adapters/summary): the shared adapter and team-a, each with the version it serves,
+    its training and its backlog; choosing team-a shows its own versions (no base model among them), and its
+    rollback button rolls team-a back, not the shared adapter."""
+    question = [{"role": "user", "content": "Who makes the Tessaro?"}]
+    reply = httpx.post(web_server.base_url + "/v1/chat/completions", timeout=120,
+                       json={"model": ADAPTER, "messages": question, "max_tokens": 8})  # fmt: skip
+    sent = httpx.post(web_server.base_url + "/v1/feedback", timeout=30, json={
+        "response_id": reply.json()["id"], "correction": "Bluefin makes the Tessaro."})  # fmt: skip
+    assert sent.status_code == 200, sent.text
+    wait_for(lambda: feedback_entry(web_server, sent.json()["id"])["state"] != "queued")  # a new version of team-a
+    wait_for(lambda: all(row["backlog"] == 0 for row in adapters_summary(web_server)))  # earlier tests' feedback
+    shared, team = adapters_summary(web_server)
+    versions = httpx.get(web_server.base_url + "/v1/adapters", params={"adapter": ADAPTER}, timeout=10).json()
+    assert (shared["adapter"], team["adapter"], team["serving_version"]) == (None, ADAPTER, versions["serving_version"])
+    assert len(versions["data"]) >= 2 and versions["data"][-1]["version"] == 1  # its version 1: as loaded
+    target = next(v["version"] for v in versions["data"] if not v["serving"])
+    rolled = versions["data"][0]["version"] + 1  # a rollback is published as a new version
+
+    page = open_page()
+    page.goto("/dashboard")
+    rows = page.locator("#adapters tbody tr")
+    expect(rows).to_have_count(2)
+    for i, data in enumerate((shared, team)):
+        row = rows.nth(i)
+        expect(row).to_have_attribute("data-adapter", data["adapter"] or "")
+        expect(row.locator(".serving")).to_have_text(f"v{data['serving_version']}")
+        expect(row.locator(".training")).to_have_text("on")
+        expect(row.locator(".backlog")).to_have_text("0")
+        expect(row.locator(".residence")).to_have_text("in the engine")  # a trained adapter is never paged out
+    expect(rows.nth(0).get_by_role("button")).to_have_attribute("aria-pressed", "true")
+    expect(page.locator("#versions-of")).to_have_text("the shared adapter")
+
+    rows.nth(1).get_by_role("button", name=ADAPTER).click()
+    expect(rows.nth(1).get_by_role("button")).to_have_attribute("aria-pressed", "true")
+    expect(page.locator("#versions-of")).to_have_text(ADAPTER)
+    expect(page.locator("#serving")).to_contain_text(f"Serving v{team['serving_version']}")
+    expect(page.locator("#timeline li")).to_have_count(len(versions["data"]))  # a named adapter has no v0
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name=f"Roll back to v{target}").click()
+    expect(page.locator("#serving")).to_contain_text(f"Serving v{rolled}")
+    expect(page.locator(f'#timeline li[data-version="{rolled}"]')).to_contain_text(f"rollback to v{target}")
+    expect(rows.nth(1).locator(".serving")).to_have_text(f"v{rolled}")
+    expect(rows.nth(0).locator(".serving")).to_have_text(f"v{shared['serving_version']}")  # the shared one as was
+    assert adapters_summary(web_server)[0]["serving_version"] == shared["serving_version"]
+
+
+def adapters_summary(server: ServerProcess) -> list[dict]:
+    response = httpx.get(server.base_url + "/v1/adapters/summary", timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["data"]
+
+
+def wait_for(done: Callable[[], bool], timeout_s: float = TRAIN_TIMEOUT_MS / 1000) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
 
 
 def test_the_bar_chooses_who_answers_and_the_answer_names_its_adapter(open_page, web_server):

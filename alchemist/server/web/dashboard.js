@@ -1,5 +1,6 @@
 // The learning dashboard: the server's own time series (GET /v1/dashboard/series, polled for the points since the
-// last one) as small line charts, and the adapter versions (GET /v1/adapters) as a timeline with a rollback button.
+// last one) as small line charts, the adapters as a table (a row each), and the versions of the one chosen there
+// (GET /v1/adapters) as a timeline with a rollback button.
 import { api, notice, setupBar } from "./api.js";
 import { COLORS, lineChart } from "./chart.js";
 
@@ -99,22 +100,25 @@ function describe(v) {
   return parts.join(", ");
 }
 
-function versionItem(v, serving) {
+function versionItem(v, serving, adapter) {
   const when = new Date(v.created * 1000).toLocaleTimeString();
   const item = h("li", { class: v.version === serving ? "serving" : "", "data-version": v.version },
     h("span", { class: "v" }, `v${v.version}`), h("span", {}, when), h("span", {}, describe(v)));
   if (v.version === serving) item.append(h("span", { class: "badge" }, "serving"));
-  else item.append(rollbackButton(v.version));
+  else item.append(rollbackButton(v.version, adapter));
   return item;
 }
 
-function rollbackButton(version) {
+// ``adapter``: a named adapter's name; null: the shared adapter.
+function rollbackButton(version, adapter) {
   const button = h("button", { type: "button" }, `Roll back to v${version}`);
   button.addEventListener("click", async () => {
     const what = version ? `version ${version}` : "the base model (v0)";
-    if (!confirm(`Serve ${what} again? It is published as a new version; training continues from it.`)) return;
+    const whose = adapter == null ? "" : ` of ${adapter}`;
+    if (!confirm(`Serve ${what}${whose} again? It is published as a new version; training continues from it.`)) return;
     try {
-      await api("/v1/adapters/rollback", { method: "POST", body: { version }, admin: true });
+      const body = adapter == null ? { version } : { version, adapter };
+      await api("/v1/adapters/rollback", { method: "POST", body, admin: true });
       notice("");
       await pollAdapters(false);
     } catch (e) {
@@ -124,22 +128,90 @@ function rollbackButton(version) {
   return button;
 }
 
+// The adapters table (GET /v1/adapters/summary: the shared adapter and the named ones the key may use, a row each);
+// the row chosen has its versions shown below. Its name is a button, so that the keyboard chooses too.
+const RESIDENCE = { engine: "in the engine", memory: "in memory", disk: "on disk" };
+let adapters = [];  // the summary's last rows
+let chosen = null;  // the adapter whose versions are shown: a named adapter's name; null: the shared adapter
+
+function adapterRow(name) {
+  const title = `Show the versions of ${name ?? "the shared adapter"}`;
+  const tr = h("tr", { "data-adapter": name ?? "" },
+    h("th", { scope: "row" }, h("button", { type: "button", title }, name ?? "shared")),
+    h("td", { class: "serving" }), h("td", { class: "training" }), h("td", { class: "backlog" }),
+    h("td", { class: "residence" }));
+  tr.addEventListener("click", () => choose(name));  // the button's click (mouse or keyboard) bubbles here too
+  return tr;
+}
+
+function fillRow(tr, row) {
+  const mine = row.adapter === chosen;
+  tr.classList.toggle("chosen", mine);
+  tr.querySelector("button").setAttribute("aria-pressed", String(mine));
+  const cells = tr.querySelectorAll("td");
+  cells[0].textContent = row.serving_version == null ? "as loaded" : `v${row.serving_version}`;
+  cells[1].textContent = row.training;
+  cells[1].className = `training ${row.training}`;
+  cells[2].textContent = String(row.backlog);
+  cells[3].textContent = RESIDENCE[row.residence] || row.residence;
+}
+
+// Rows are updated in place, and only added or removed when the adapters change: a redraw every poll would take the
+// keyboard's focus off the row button it is on.
+function drawAdapters() {
+  const body = document.querySelector("#adapters tbody");
+  const keys = adapters.map((row) => row.adapter ?? "");
+  const kept = new Map([...body.rows].map((tr) => [tr.dataset.adapter, tr]));
+  const trs = adapters.map((row, i) => kept.get(keys[i]) ?? adapterRow(row.adapter));
+  if (keys.join("\n") !== [...body.rows].map((tr) => tr.dataset.adapter).join("\n")) body.replaceChildren(...trs);
+  trs.forEach((tr, i) => fillRow(tr, adapters[i]));
+}
+
+function choose(name) {
+  if (name === chosen) return;
+  chosen = name;
+  drawAdapters();
+  document.getElementById("serving").textContent = "…";
+  document.getElementById("timeline").replaceChildren();  // not the previous adapter's versions under this name
+  pollAdapters(false);
+}
+
+// The chosen adapter's versions (GET /v1/adapters[?adapter=NAME]) as a timeline, with a rollback button each.
+async function drawVersions(row) {
+  const name = chosen;
+  document.getElementById("versions-of").textContent = name ?? "the shared adapter";
+  const serving = document.getElementById("serving");
+  const timeline = document.getElementById("timeline");
+  if (name != null && row.training !== "on") {  // nothing trains it here: it has no versions (the list is a 404)
+    serving.textContent = "Served as loaded from its directory; nothing trains it on this server, so it has no "
+      + "versions here.";
+    timeline.replaceChildren();
+    return;
+  }
+  const list = await api(name == null ? "/v1/adapters" : `/v1/adapters?adapter=${encodeURIComponent(name)}`);
+  if (name !== chosen) return;  // another was chosen meanwhile: its own call draws it
+  const version = list.serving_version;
+  serving.textContent = `Serving v${version}${version ? "" : " (the base model)"}; `
+    + (list.training ? "training on." : "training off (--no-train).");
+  const items = list.data.map((v) => versionItem(v, version, name));
+  // The base model is the shared adapter's v0 alone: a named adapter serves a version >= 1 (1: as loaded).
+  if (name == null && version !== 0) {
+    items.push(h("li", { "data-version": 0 }, h("span", { class: "v" }, "v0"), h("span", {}, "the base model"),
+      rollbackButton(0, null)));
+  }
+  if (!items.length) {
+    items.push(h("li", { class: "serving", "data-version": 0 }, h("span", { class: "v" }, "v0"),
+      h("span", {}, "the base model: nothing trained yet"), h("span", { class: "badge" }, "serving")));
+  }
+  timeline.replaceChildren(...items);
+}
+
 async function pollAdapters(again = true) {
   try {
-    const list = await api("/v1/adapters");
-    const serving = list.serving_version;
-    document.getElementById("serving").textContent = `Serving v${serving}${serving ? "" : " (the base model)"}; `
-      + (list.training ? "training on." : "training off (--no-train).");
-    const items = list.data.map((v) => versionItem(v, serving));
-    if (serving !== 0) {
-      items.push(h("li", { "data-version": 0 }, h("span", { class: "v" }, "v0"), h("span", {}, "the base model"),
-        rollbackButton(0)));
-    }
-    if (!items.length) {
-      items.push(h("li", { class: "serving", "data-version": 0 }, h("span", { class: "v" }, "v0"),
-        h("span", {}, "the base model: nothing trained yet"), h("span", { class: "badge" }, "serving")));
-    }
-    document.getElementById("timeline").replaceChildren(...items);
+    adapters = (await api("/v1/adapters/summary")).data;
+    if (!adapters.some((row) => row.adapter === chosen)) chosen = null;  // unloaded: back to the shared adapter
+    drawAdapters();
+    await drawVersions(adapters.find((row) => row.adapter === chosen));
   } catch (e) {
     notice(`Adapters: ${e.message}`);
   }
