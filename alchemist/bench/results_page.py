@@ -349,10 +349,12 @@ SCALE_GOALS = (("allreduce_share", "<=", 0.05), ("feedback_affinity", ">=", 0.95
 
 def scale_block(meta: dict, folder: Path) -> str:
     """`bench scale`'s rows, per invocation (``meta["files"]``: label -> rows): each count of replicas' serving,
-    training per replica, the collectives' share of training time and record affinity; then issue 43's goals."""
+    training per replica, the gradients' all-reduce's and the meeting points' shares of training time (rows from
+    before the two were told apart have the collectives' whole share as the first, and "-" as the second) and record
+    affinity; then issue 43's goals."""
     header = ["invocation", "replicas x cores", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
-              "samples/s per replica", "steps", "collectives' share", "feedback to its replica", "replayed",
-              "versions at the end", "unsettled"]  # fmt: skip
+              "samples/s per replica", "steps", "all-reduce share", "waits' share", "feedback to its replica",
+              "replayed", "versions at the end", "unsettled"]  # fmt: skip
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     body, goals = [], []
     for label, file in meta["files"].items():
@@ -360,7 +362,7 @@ def scale_block(meta: dict, folder: Path) -> str:
             body.append([label, f"{r['replicas']} x {r['cores_each']}", f1(r["output_tok_s"]),
                          f"{f1(r['ttft_p50_ms'])} / {f1(r['ttft_p99_ms'])}",
                          f"{f1(r['tpot_p50_ms'])} / {f1(r['tpot_p99_ms'])}", _fmt(r["samples_s_per_replica"]),
-                         r["steps"], pct(r["allreduce_share"]), pct(r["feedback_affinity"]),
+                         r["steps"], pct(r["allreduce_share"]), pct(r.get("sync_share")), pct(r["feedback_affinity"]),
                          pct(r["replayed_share"]), ", ".join(map(str, r["versions"])), r["unsettled"]])  # fmt: skip
             if r["replicas"] > 1:
                 for field, op, bound in SCALE_GOALS:

@@ -12,8 +12,9 @@ fact``'s invented facts by default), then the drain until the feedback is traine
 
 - serving: output tokens/s, TTFT / TPOT / ITL percentiles (client-side, as `bench online` measures them);
 - training, per replica (the replicas' /metrics summed, divided by N): sample passes per second of training slices,
-  the collectives' share of the training time (``alchemist:training_allreduce_seconds`` against
-  ``alchemist:training_seconds``; waits for the other replicas included), steps;
+  the gradients' all-reduce's share of the training time (``alchemist:training_allreduce_seconds`` against
+  ``alchemist:training_seconds``: the replicas having met, what moving the gradients costs), the share spent at the
+  steps' meeting points (``alchemist:training_sync_seconds``: waiting for the slower replica, mostly), steps;
 - record affinity: the share of feedback the front passed to the replica that served the response (its hit and
   miss counters), and the share of sample passes replayed from a record (the rest recomputed: a replica's queue
   claims any entry of the shared log);
@@ -122,7 +123,7 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
         end = summed(urls)
         delta = lambda name: end.get(P + name, 0.0) - before.get(P + name, 0.0)  # noqa: E731
         passes = delta('samples_total{path="replay"}') + delta('samples_total{path="recompute"}')
-        train_s, allreduce_s = delta("seconds_total"), delta("allreduce_seconds_total")
+        train_s, allreduce_s, sync_s = (delta(f"{name}seconds_total") for name in ("", "allreduce_", "sync_"))
         row.update(
             drain_s=round(time.perf_counter() - drain_start, 1),
             unsettled=left,
@@ -131,6 +132,7 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
             samples_s_per_replica=round(passes / train_s, 2) if train_s else None,  # summed over summed seconds
             train_s_per_replica=round(train_s / replicas, 1),
             allreduce_share=round(allreduce_s / train_s, 3) if train_s else None,
+            sync_share=round(sync_s / train_s, 3) if train_s else None,
             replayed_share=round(delta('samples_total{path="replay"}') / passes, 3) if passes else None,
         )
         if replicas > 1:

@@ -82,8 +82,12 @@ class _TrainingCollector(Collector):
             PREFIX + "training_seconds", "Time spent in training slices (between engine steps).", value=s.train_s
         )
         yield CounterMetricFamily(
-            PREFIX + "training_allreduce_seconds", "Time of the replicas' collectives in data-parallel steps, launch "
-            "to completion (waits for the others included; 0 alone).", value=s.allreduce_s,
+            PREFIX + "training_allreduce_seconds", "Time of the gradients' all-reduce in data-parallel steps, launch "
+            "to completion, the replicas having met (0 alone).", value=s.allreduce_s,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "training_sync_seconds", "Time of the data-parallel steps' meeting points (their sample count, "
+            "then the vetoes before the gradients): waiting for the slower replica, mostly (0 alone).", value=s.sync_s,
         )  # fmt: skip
         samples = CounterMetricFamily(
             PREFIX + "training_samples", "Sample passes, by path: replayed or recomputed.", labels=["path"]

@@ -6,22 +6,26 @@
 
 A step on every replica (``Trainer.step_slices``): the replicas exchange their sample counts (and adapter versions,
 which must agree) -> each computes its own samples' gradients, replayed from its own records or recomputed, each
-loss scaled by 1/N with N the GLOBAL count -> one all-reduce (SUM) of a flat buffer holding every LoRA gradient, a
-flag per tensor (whether any replica has its gradient), the screen's veto and the losses' sum -> every replica then
-holds the gradient one process would have over the union of the samples, and clips it, steps AdamW and takes the
-protected directions out identically: the adapters (and their versions) stay the same without shipping weights.
+loss scaled by 1/N with N the GLOBAL count -> a small all-reduce (SUM) of a flag per tensor (whether any replica has
+its gradient), the screen's veto and the losses' sum -> unless vetoed, one all-reduce of a flat buffer holding every
+LoRA gradient -> every replica then holds the gradient one process would have over the union of the samples, and
+clips it, steps AdamW and takes the protected directions out identically: the adapters (and their versions) stay the
+same without shipping weights.
 
 Why the count goes first: a loss scaled by 1/N before its backward is what one process does, so the summed
 gradient needs no division (and a replica with no sample joins with zero gradients and a count of 0). Given
 ``loss_scales`` are taken as global ones (a sample's share of the whole step's batch): a caller weighing kinds of
 samples computes them from global counts (``sum_slices``). Why the clip comes after the all-reduce: the norm is the
-global gradient's, so every replica clips by the same factor. Why the veto is in the buffer: a screen (the poisoning
+global gradient's, so every replica clips by the same factor. Why the veto is collective: a screen (the poisoning
 guard) sees only its replica's samples; if any replica refuses the step, none takes it (each drops its gradients,
 and its batch trains again).
 
 The collectives run asynchronously; waiting for them is slices (a replica waiting for a slower one keeps serving).
-Their time, from launch to completion seen (waits for peers and serving's turns included, as ``StepResult.step_s``),
-is ``StepResult.allreduce_s`` and ``TrainingStats.allreduce_s``.
+Their time, from launch to completion seen (serving's turns included, as ``StepResult.step_s``), in two parts: the
+meeting points (the count, and the small all-reduce before the gradients), where a replica mostly waits for the
+slower one to arrive (``sync_s``), and the gradients' all-reduce, the replicas having met: what moving them costs
+(``allreduce_s``; issue 43's goal, docs/benchmarks.md "Scale-out"). Why the small one goes first: a vetoed step moves
+no gradient, and the waiting is told apart from the moving.
 
 The process group is the caller's (``join``, or any group handed in): gloo on CPU, nccl on CUDA (``backend_for``).
 A collective with a dead peer raises (gloo: at once, its connection closed; else after the group's timeout); forming a
@@ -59,6 +63,7 @@ class DataParallel:
         self.device = device  # where the collectives' buffers live (nccl reduces CUDA tensors only)
         self.group = group
         self.collective_s = 0.0  # all collectives so far, each from launch to completion seen
+        self.sync_s = 0.0  # of them, the meeting points': a step's count, and the small collective before its gradients
 
     # Read from the group at each use: the default group may be formed again (alchemist.training.generations).
     @property
@@ -82,7 +87,7 @@ class DataParallel:
         gradient sizes (``num_values``) differ: their steps would not be one step."""
         header = torch.tensor([num_samples, version, num_values], dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(header) for _ in range(self.world_size)]
-        yield from self._wait_slices(dist.all_gather(gathered, header, group=self.group, async_op=True))
+        yield from self._wait_slices(dist.all_gather(gathered, header, group=self.group, async_op=True), sync=True)
         rows = torch.stack(gathered).tolist()  # (world_size, 3)
         if len({(version, size) for _, version, size in rows}) > 1:
             raise RuntimeError(
@@ -99,28 +104,37 @@ class DataParallel:
     def reduce_slices(
         self, params: Iterable[torch.nn.Parameter], vetoed: bool, loss_sum: float
     ) -> Generator[None, None, Reduced]:
-        """Sums the replicas' gradients of ``params`` (already scaled by the global count) in one all-reduce, with
-        their vetoes and loss sums; unless some replica vetoed, each parameter's ``grad`` becomes the sum (None
-        where no replica had one: AdamW then leaves it alone, as one process would)."""
+        """Sums the replicas' gradients of ``params`` (already scaled by the global count), unless some replica
+        vetoed; each parameter's ``grad`` becomes the sum (None where no replica had one: AdamW then leaves it
+        alone, as one process would). Two collectives: first a small one (the vetoes, the loss sums, a flag per
+        tensor: whether any replica has its gradient), where the replicas meet, the slower one's backward waited
+        for (``sync_s``); then, unless vetoed, the gradients' (``allreduce_s``: what moving them costs)."""
         params = list(params)
+        flags = [float(p.grad is not None) for p in params] + [float(vetoed), loss_sum]
+        meta = torch.tensor(flags, dtype=torch.float64, device=self.device)  # (params + 2,)
+        yield from self._wait_slices(dist.all_reduce(meta, group=self.group, async_op=True), sync=True)
+        *present, vetoes, loss_total = meta.tolist()
+        if vetoes:
+            return Reduced(vetoed=True, loss_sum=loss_total)  # nobody keeps a gradient: none is moved
         dtype = params[0].dtype
         parts = [torch.zeros(p.numel(), dtype=dtype, device=self.device) if p.grad is None else p.grad.reshape(-1)
                  for p in params]  # fmt: skip
-        flags = [float(p.grad is not None) for p in params] + [float(vetoed), loss_sum]
-        buffer = torch.cat([*parts, torch.tensor(flags, dtype=dtype, device=self.device)])  # (values + params + 2,)
+        buffer = torch.cat(parts)  # (values,)
         yield from self._wait_slices(dist.all_reduce(buffer, group=self.group, async_op=True))
-        *present, vetoes, loss_total = buffer[-len(params) - 2 :].tolist()
-        if not vetoes:
-            start = 0
-            for p, has_grad in zip(params, present, strict=True):
-                p.grad = buffer[start : start + p.numel()].view_as(p) if has_grad else None
-                start += p.numel()
-        return Reduced(vetoed=bool(vetoes), loss_sum=loss_total)
+        start = 0
+        for p, has_grad in zip(params, present, strict=True):
+            p.grad = buffer[start : start + p.numel()].view_as(p) if has_grad else None
+            start += p.numel()
+        return Reduced(vetoed=False, loss_sum=loss_total)
 
-    def _wait_slices(self, work: dist.Work) -> Generator[None, None, None]:
-        """Waits for a collective in slices; adds its time to ``collective_s``; raises what it raised (a timeout)."""
+    def _wait_slices(self, work: dist.Work, sync: bool = False) -> Generator[None, None, None]:
+        """Waits for a collective in slices; adds its time to ``collective_s`` (and to ``sync_s`` where it is a
+        meeting point, ``sync``); raises what it raised (a timeout)."""
         t0 = time.perf_counter()
         while not work.is_completed():
             yield
         work.wait()
-        self.collective_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.collective_s += elapsed
+        if sync:
+            self.sync_s += elapsed

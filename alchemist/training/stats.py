@@ -34,8 +34,9 @@ class TrainingStats:
     layers_reloaded: int = 0  # walk layers read back from the store
     layers_recomputed: int = 0  # walk layers recomputed from their recorded input instead (hedging)
     record_bytes_read: int = 0
-    # --- data-parallel steps (Trainer with DataParallel): their collectives, launch to completion, waits included
-    allreduce_s: float = 0.0  # all steps'
+    # --- data-parallel steps (Trainer with DataParallel): their collectives, launch to completion
+    allreduce_s: float = 0.0  # all steps' gradient all-reduces (the replicas having met: moving the gradients)
+    sync_s: float = 0.0  # all steps' meeting points (alchemist.training.data_parallel): waiting for the others, mostly
     last_allreduce_s: float = 0.0  # the last step's (against StepResult.step_s: the collective's share of a step)
     # --- batches (OnlineTrainer)
     skipped: dict[str, int] = field(default_factory=dict)  # entries the queue skipped, by why ("empty", "backlog")

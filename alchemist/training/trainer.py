@@ -77,7 +77,8 @@ class StepResult:
     step_s: float  # from the first slice to the last (serving's turns between them included)
     passes: list[tuple[float, bool]]  # each sample's (loss, whether it was replayed), in order
     updated: bool = True  # False: ``screen`` refused the step (gradients dropped, no update); data-parallel: any's
-    allreduce_s: float = 0.0  # data-parallel: the step's collectives, launch to completion (waits included)
+    allreduce_s: float = 0.0  # data-parallel: the gradients' all-reduce, launch to completion, the replicas having met
+    sync_s: float = 0.0  # data-parallel: the step's meeting points (DataParallel.sync_s), waits for the others mostly
 
 
 class Trainer:
@@ -113,8 +114,8 @@ class Trainer:
         instead (no update: the poisoning guard's veto). Data-parallel, every replica calls it at once, with its
         own samples (maybe none): N, the scales and the veto are the step's over all replicas."""
         dp = self.data_parallel
-        t0, collective_s = time.perf_counter(), dp.collective_s if dp else 0.0
-        num_total, allreduce_s = len(samples), 0.0
+        t0, collective_s, sync_s = time.perf_counter(), dp.collective_s if dp else 0.0, dp.sync_s if dp else 0.0
+        num_total, allreduce_s, waited_s = len(samples), 0.0, 0.0
         if dp is not None:  # every replica's count first: the losses are scaled by the global one
             num_values = sum(p.numel() for p in self.adapter.parameters())
             num_total = yield from dp.count_slices(len(samples), self.adapter.version, num_values)
@@ -127,8 +128,10 @@ class Trainer:
         if dp is not None:  # gradients summed over the replicas (vetoes and losses with them), then clipped alike
             reduced = yield from dp.reduce_slices(self.adapter.parameters(), not updated, loss_sum)
             updated, loss_sum = not reduced.vetoed, reduced.loss_sum
-            allreduce_s = dp.collective_s - collective_s
+            waited_s = dp.sync_s - sync_s
+            allreduce_s = dp.collective_s - collective_s - waited_s
             self.stats.allreduce_s += allreduce_s
+            self.stats.sync_s += waited_s
             self.stats.last_allreduce_s = allreduce_s
         if updated:
             yield
@@ -147,6 +150,7 @@ class Trainer:
             passes=passes,
             updated=updated,
             allreduce_s=allreduce_s,
+            sync_s=waited_s,
         )
 
     def backward_slices(

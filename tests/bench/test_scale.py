@@ -35,5 +35,7 @@ def test_bench_scale_tiny(postgres_server, ray_address):
         assert r["steps"] >= 1 and r["samples_per_replica"] * n >= 2
         assert len(r["versions"]) == 1 and r["versions"][0] >= 1  # every replica serves the one trained version
         assert r["feedback_affinity"] == 1.0  # every feedback to the replica that served it (all alive)
-    assert rows[1]["allreduce_share"] == 0 and 0 < rows[2]["allreduce_share"] < 1
+    assert rows[1]["allreduce_share"] == rows[1]["sync_share"] == 0
+    assert 0 < rows[2]["allreduce_share"] < 1 and 0 < rows[2]["sync_share"] < 1
+    assert rows[2]["allreduce_share"] + rows[2]["sync_share"] < 1
     assert rows[1]["cores_each"] == rows[2]["cores_each"] == 1  # on 2 cores: one replica of one, then two

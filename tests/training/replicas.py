@@ -46,7 +46,8 @@ class Steps:
     losses: list[float] = field(default_factory=list)
     replayed: int = 0
     versions: list[int] = field(default_factory=list)
-    allreduce_s: float = 0.0
+    allreduce_s: list[float] = field(default_factory=list)  # per step: the gradients' all-reduce
+    sync_s: float = 0.0  # the steps' meeting points (their counts, their vetoes)
 
 
 def take_steps(
@@ -82,7 +83,8 @@ def take_steps(
         seen.updated.append(result.updated)
         seen.losses.append(result.loss)
         seen.versions.append(adapter.version)
-    seen.replayed, seen.allreduce_s = trainer.stats.replayed, trainer.stats.allreduce_s
+        seen.allreduce_s.append(result.allreduce_s)
+    seen.replayed, seen.sync_s = trainer.stats.replayed, trainer.stats.sync_s
     return seen
 
 

@@ -90,7 +90,9 @@ def test_two_replicas_take_the_step_of_one_process_over_all_samples(replicas, mo
         assert all(torch.equal(ranks[0].adapters[step][n], t) for n, t in ranks[1].adapters[step].items())
     # replayed where records were (each replica's own), recomputed otherwise: as many as one process
     assert sum(seen.replayed for seen in ranks) == alone.replayed == (case.replay * len(samples) * case.num_steps)
-    assert all(seen.allreduce_s > 0 for seen in ranks)
+    # the gradients moved in every step that took them, and in none that a replica vetoed; the replicas met in all
+    assert all([t > 0 for t in seen.allreduce_s] == seen.updated for seen in ranks)
+    assert all(seen.sync_s > 0 for seen in ranks)
 
 
 def test_the_steps_clip_and_local_counts_would_show(models, samples):
