@@ -99,6 +99,16 @@ class ServedAdapter:
         cols = self._cut[layer, name]
         return torch.mm(torch.mm(x.to(at.dtype), at[:, cols]), bt[cols]).to(x.dtype)
 
+    def fused(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused projection's ``scaling * A^T`` (in, parts*r) and ``B^T`` (parts*r, out), fp32 (the delta's own
+        copies: read, never change); None if the adapter does not target it."""
+        return self._weights.get((layer, name))
+
+    def cut_columns(self, layer: int, name: str) -> torch.Tensor | None:
+        """Which of the fused projection's parts*r columns of ``scaling * A^T`` are cut ranks (parts*r,) bool; None
+        where the adapter has none there."""
+        return self._cut.get((layer, name))
+
     def merged_weight(self, layer: int, name: str, base: torch.Tensor) -> torch.Tensor | None:
         """The fused projection's weight with the delta folded in, ``base + (A^T B^T)^T`` (out, in), computed in
         fp32 and rounded once to ``base``'s dtype; None if the adapter does not target the projection."""
