@@ -30,6 +30,7 @@ Figures: ``python docs/profiles/adapter_groups.py``.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,26 @@ import torch.nn.functional as F
 from alchemist.engine.adapter_rows import AdapterRows
 from alchemist.engine.adapter_slots import AdapterSlots
 from alchemist.engine.served_adapter import FP32_MAX_ROWS, ServedAdapter
+from alchemist.model.lora import FUSED_PARTS
 
 # Adapters with at most this many rows in a step are grouped (padded to the most rows among them); more go alone. A
 # bmm of so few rows per slot is bound by reading the weights, so the padding costs little.
 GROUP_MAX_ROWS = 8
 assert GROUP_MAX_ROWS < FP32_MAX_ROWS  # grouped deltas are fp32 deltas
 MIN_GROUP = 2  # fewer grouped adapters than this: each alone (a group of one costs more ops than its delta alone)
+
+
+class LayerDeltas(NamedTuple):
+    """One layer's grouped deltas as the compiled layer takes them (``alchemist.engine.compiled_decode``): the step's
+    indices and, per fused projection, the stacked A and B of its slots (None where no adapter of the step targets
+    it)."""
+
+    gather: torch.Tensor
+    back: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor] | None
+    o: tuple[torch.Tensor, torch.Tensor] | None
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None
+    down: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class GroupedRows:
@@ -126,15 +141,20 @@ class GroupedRows:
             out[rows] = part
         return out
 
+    @property
+    def compilable(self) -> bool:
+        """Every adapter of the step grouped and no cut rank masked: the compiled layer computes it all
+        (``layer_deltas``)."""
+        return not self.alone.groups and self.unscoped is None
+
+    def layer_deltas(self, layer: int) -> LayerDeltas:
+        weights = [self.slots.weights(layer, n, self.lo, self.hi) if n in self.names else None for n in FUSED_PARTS]
+        return LayerDeltas(self.gather, self.back, *weights)
+
     def _grouped(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
         a, b = self.slots.weights(layer, name, self.lo, self.hi)  # (G, in, R), (G, R, out)
-        g = self.hi - self.lo
-        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, self.gather).to(a.dtype).view(g, -1, x.shape[1])  # (G, M, in)
-        xa = torch.bmm(xs, a)  # (G, M, R)
-        if self.unscoped is not None:
-            xa.masked_fill_(self._mask(name), 0)
-        delta = torch.bmm(xa, b)  # (G, M, out)
-        return delta.view(-1, delta.shape[2]).index_select(0, self.back).to(x.dtype)  # (T, out)
+        mask = self._mask(name) if self.unscoped is not None else None
+        return grouped_delta(x, a, b, self.gather, self.back, mask)
 
     def _mask(self, name: str) -> torch.Tensor:
         """(G, M, R) bool: the entries of xa that are cut ranks on rows out of their scope (made once a step)."""
@@ -143,3 +163,18 @@ class GroupedRows:
             cut = self.slots.cut_columns(name, self.lo, self.hi)  # (G, R)
             mask = self._masks[name] = self.unscoped[:, :, None] & cut[:, None, :]
         return mask
+
+
+def grouped_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gather: torch.Tensor, back: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x (T, in) -> the delta (T, out) in x's dtype: x's rows (a zero row appended) gathered into (G, M, in) by
+    ``gather``, times A (G, in, R), xa's ``mask`` (G, M, R) entries zeroed, times B (G, R, out), gathered back by
+    ``back``. Tensors only, for the compiled layer too."""
+    xs = F.pad(x, (0, 0, 0, 1)).index_select(0, gather).to(a.dtype).view(a.shape[0], -1, x.shape[1])  # (G, M, in)
+    xa = torch.bmm(xs, a)  # (G, M, R)
+    if mask is not None:
+        xa = xa.masked_fill(mask, 0)
+    delta = torch.bmm(xa, b)  # (G, M, out)
+    return delta.view(-1, delta.shape[2]).index_select(0, back).to(x.dtype)  # (T, out)

@@ -160,8 +160,7 @@ class ModelRunner:
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
         served = [self.served(seq.adapter_name) for seq in batch.seqs]
-        # Rows of several adapters: the base weights and each adapter's delta on its rows, eager (the compiled step
-        # takes one set of weights, and its graph no per-row deltas).
+        # Rows of several adapters: the base weights and each adapter's delta on its rows, grouped where that pays.
         if any(a is not served[0] for a in served):
             live = {a for a in (self.adapter, *(a for a, _ in self.named.values())) if a is not None}
             answer = self.answer_rows(batch)
@@ -169,10 +168,13 @@ class ModelRunner:
             self.num_mixed_steps += 1
         else:
             ops, adapter = self.one_adapter(batch, served[0], ops, len(ids))
-        if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None:  # records nothing
+        # Decodes of several adapters, all grouped, run compiled too, the grouped deltas in the layer's graph.
+        grouped = adapter if isinstance(adapter, GroupedRows) and adapter.compilable and meta.all_decode else None
+        compiled = self.compiled is not None and ops in (self.ops, self.merged)  # records nothing
+        if compiled and (adapter is None or grouped is not None):
             if meta.all_decode:
                 slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
-                hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
+                hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops, grouped)
             else:
                 hidden = self.compiled.forward_step(input_ids, pos, meta, ops)
         else:
