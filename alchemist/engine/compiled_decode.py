@@ -214,7 +214,7 @@ def _compiled_layer(
     that builds engines of several models (tests, a library user) would reach it; one model needs two of each (one
     row, and the dynamic row count)."""
     code = fn.__code__.replace()  # a new, equal code object
-    return torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__), fullgraph=True)
+    return torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__), fullgraph=True)
 
 
 def _mark_dynamic(h: torch.Tensor, rot: Rotation, slots: torch.Tensor, positions: torch.Tensor,
