@@ -24,7 +24,10 @@ enough to pay their fixed costs, as are the deltas of a step whose adapters are 
 Cut ranks (``ServedAdapter.cut``) keep their meaning: xa's cut columns are zeroed on a cut adapter's rows out of
 scope, as ``ServedAdapter.delta`` does (a (G, M, R) mask per projection, built once a step). Each grouped row gets
 what ``AdapterRows`` gives it up to fp32 rounding (bmm sums in its own order; tests/engine/test_adapter_groups.py).
-Figures: ``python docs/profiles/adapter_groups.py``.
+A decode step whose every adapter is grouped and masks no cut rank (``compilable``) runs in the compiled layer
+(``CompiledDecode.forward``): ``grouped_delta`` in its graph, the indices and the stacks' views as its inputs
+(``LayerDeltas``), every size dynamic, so that no composition of a batch compiles again. Figures: ``python
+docs/profiles/adapter_groups.py``.
 """
 
 from __future__ import annotations

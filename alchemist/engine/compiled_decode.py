@@ -26,7 +26,9 @@ are graph inputs, not constants, so a newly merged adapter serves without recomp
 
 It applies to forwards that add no separate adapter delta and record nothing (every step but those right after a swap
 whose merge is not complete, and those with a recorded prompt chunk), on a CPU where our decode kernel runs:
-``EngineConfig.compile_decode``.
+``EngineConfig.compile_decode``; and to decode steps of several adapters whose deltas are all grouped
+(``alchemist.engine.adapter_groups``), through a layer of its own (``grouped_decode_layer``), compiled at the first
+such step with every size dynamic.
 fp32 greedy tokens equal the eager path's (tests/engine/test_compiled_decode.py); in bf16 inductor keeps some
 intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels (its
 batch-1 graph and dynamic graph too: a bf16 greedy answer depends on the batches it decodes in, docs/benchmarks.md
