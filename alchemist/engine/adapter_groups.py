@@ -12,6 +12,8 @@ indices, and each projection is
 
     x (T, in) --gather--> (G, M, in) --bmm A (G, in, R)--> xa --bmm B (G, R, out)--> (G, M, out) --gather--> (T, out)
 
+(one bmm B per part of the fused projection, concatenated: ``AdapterSlots`` keeps no zero blocks)
+
 over the stacked weights of ``AdapterSlots`` (G slots, from the lowest to the highest slot of the step's adapters:
 views, no copy). Each slot's rows are padded to M (the most rows of one adapter) with a zero row appended to x,
 so the padding, the base model's rows and the slots of the range that no row of the step uses compute exact zeros,
@@ -57,10 +59,10 @@ class LayerDeltas(NamedTuple):
 
     gather: torch.Tensor
     back: torch.Tensor
-    qkv: tuple[torch.Tensor, torch.Tensor] | None
-    o: tuple[torch.Tensor, torch.Tensor] | None
-    gate_up: tuple[torch.Tensor, torch.Tensor] | None
-    down: tuple[torch.Tensor, torch.Tensor] | None
+    qkv: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None
+    o: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None
+    gate_up: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None
+    down: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None
 
 
 class GroupedRows:
@@ -75,7 +77,7 @@ class GroupedRows:
         self.unscoped = unscoped  # (G, M) bool: rows out of scope of a cut adapter's cut ranks; None if none
         self.names = names  # the fused projections some grouped adapter targets
         self.alone = alone
-        self._masks: dict[str, torch.Tensor] = {}  # per projection: (G, M, R) the cut entries of xa to zero
+        self._masks: dict[str, torch.Tensor] = {}  # per projection: (G, M, P*R) the cut entries of xa to zero
 
     @classmethod
     def of(
@@ -155,29 +157,31 @@ class GroupedRows:
         return LayerDeltas(self.gather, self.back, *weights)
 
     def _grouped(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.slots.weights(layer, name, self.lo, self.hi)  # (G, in, R), (G, R, out)
+        a, bs = self.slots.weights(layer, name, self.lo, self.hi)  # (G, in, P*R), per part (G, R, part out)
         mask = self._mask(name) if self.unscoped is not None else None
-        return grouped_delta(x, a, b, self.gather, self.back, mask)
+        return grouped_delta(x, a, bs, self.gather, self.back, mask)
 
     def _mask(self, name: str) -> torch.Tensor:
-        """(G, M, R) bool: the entries of xa that are cut ranks on rows out of their scope (made once a step)."""
+        """(G, M, P*R) bool: the entries of xa that are cut ranks on rows out of their scope (made once a step)."""
         mask = self._masks.get(name)
         if mask is None:
-            cut = self.slots.cut_columns(name, self.lo, self.hi)  # (G, R)
+            cut = self.slots.cut_columns(name, self.lo, self.hi)  # (G, P*R)
             mask = self._masks[name] = self.unscoped[:, :, None] & cut[:, None, :]
         return mask
 
 
 def grouped_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gather: torch.Tensor, back: torch.Tensor,
+    x: torch.Tensor, a: torch.Tensor, bs: tuple[torch.Tensor, ...], gather: torch.Tensor, back: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x (T, in) -> the delta (T, out) in x's dtype: x's rows (a zero row appended) gathered into (G, M, in) by
-    ``gather``, times A (G, in, R), xa's ``mask`` (G, M, R) entries zeroed, times B (G, R, out), gathered back by
-    ``back``. Tensors only, for the compiled layer too."""
+    ``gather``, times A (G, in, P*R), xa's ``mask`` (G, M, P*R) entries zeroed, each part's R columns times its B
+    (G, R, part out), gathered back by ``back``. Tensors only, for the compiled layer too."""
     xs = F.pad(x, (0, 0, 0, 1)).index_select(0, gather).to(a.dtype).view(a.shape[0], -1, x.shape[1])  # (G, M, in)
-    xa = torch.bmm(xs, a)  # (G, M, R)
+    xa = torch.bmm(xs, a)  # (G, M, P*R)
     if mask is not None:
         xa = xa.masked_fill(mask, 0)
-    delta = torch.bmm(xa, b)  # (G, M, out)
+    r = bs[0].shape[1]
+    parts = [torch.bmm(xa[:, :, p * r : (p + 1) * r], b) for p, b in enumerate(bs)]  # (G, M, part out) each
+    delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # (G, M, out)
     return delta.view(-1, delta.shape[2]).index_select(0, back).to(x.dtype)  # (T, out)

@@ -227,7 +227,7 @@ def _mark_dynamic(h: torch.Tensor, rot: Rotation, slots: torch.Tensor, positions
         torch._dynamo.maybe_mark_dynamic(t, 0)
     for ab in deltas[2:]:
         if ab is not None:
-            for t in ab:
+            for t in (ab[0], *ab[1]):  # A, and each part's B
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
 

@@ -48,7 +48,7 @@ class ModelRunner:
         self.num_merged_steps = 0  # forwards that projected with the merged weights (tests, profiles)
         self.num_mixed_steps = 0  # forwards whose rows had several adapters (tests, profiles)
         # the adapters of such steps, stacked for their grouped deltas (copied in at their first such step)
-        self.slots = AdapterSlots(model.config.num_layers, model.dtype, model.device)
+        self.slots = AdapterSlots(model.config, model.dtype, model.device)
         c = model.config
         self.cache = KVCache(
             c.num_layers,

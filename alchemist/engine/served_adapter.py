@@ -37,6 +37,8 @@ class ServedAdapter:
         self.dtype = torch.promote_types(model_dtype, torch.float32)  # fp64 models (tests) keep fp64
         self.device = torch.device(device)
         r, scaling = adapter.config.r, adapter.config.scaling
+        self.r = r
+        self.targeted = {fused: adapter.targeted(fused) for fused in FUSED_PARTS}  # the parts of each, in order
         shapes = part_shapes(adapter.model_config)
         tensors = adapter.module_tensors()  # (layer, PEFT module, "A" | "B") -> (r, in) | (out, r), views
         self._weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

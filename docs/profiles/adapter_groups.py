@@ -48,7 +48,7 @@ for i in range(16):
         for b in lora.B.values():
             b.copy_(torch.randn(b.shape, generator=g) * B_STD)
     adapters.append(ServedAdapter(lora, model.dtype, model.device))
-slots = AdapterSlots(c.num_layers, model.dtype, model.device)
+slots = AdapterSlots(c, model.dtype, model.device)
 ids = torch.randint(0, c.vocab_size, (BATCH,), generator=torch.Generator().manual_seed(0))
 positions = torch.full((BATCH,), CONTEXT, dtype=torch.long)
 ones = [1] * BATCH

@@ -29,6 +29,10 @@ def served(model: Llama, seed: int, cut: int = 0, **lora) -> ServedAdapter:
     return ServedAdapter(adapter, model.dtype, model.device)
 
 
+def new_slots(model: Llama) -> AdapterSlots:
+    return AdapterSlots(model.config, model.dtype, model.device)
+
+
 def inputs(model: Llama, num_rows: int, seed: int) -> dict[str, torch.Tensor]:
     """A random input (T, in) per fused projection."""
     c, g = model.config, torch.Generator().manual_seed(seed)
@@ -53,16 +57,17 @@ def grouped_rows(model, slots, adapters, num_tokens, answer=(), live=None) -> Gr
 
 
 def test_a_decode_step_of_many_adapters_is_one_group(tiny_model):
-    """Six adapters (one with cut ranks, one narrower targeting some projections only) and base rows, one row per
+    """Eight adapters (with cut ranks, narrower ones targeting some parts only) and base rows, one row per
     sequence, an adapter's rows apart: all grouped, each row's delta as its adapter's alone."""
     a, b, c, d, e = (served(tiny_model, s) for s in (30, 31, 32, 33, 34))
     cut = served(tiny_model, 35, cut=4)
     narrow = served(tiny_model, 36, r=8, target_modules=("q_proj", "v_proj", "down_proj"))
-    seqs = [a, b, None, cut, c, a, narrow, d, cut, None, e, b, cut, a]
-    rows = grouped_rows(tiny_model, AdapterSlots(2, tiny_model.dtype, "cpu"), seqs, [1] * len(seqs), answer=[3, 12])
+    narrow_cut = served(tiny_model, 37, cut=2, r=8, target_modules=("k_proj", "o_proj", "up_proj"))
+    seqs = [a, b, None, cut, c, a, narrow, d, cut, None, e, b, cut, a, narrow_cut, narrow_cut]
+    rows = grouped_rows(tiny_model, new_slots(tiny_model), seqs, [1] * len(seqs), answer=[3, 12])
     assert isinstance(rows, GroupedRows) and rows.alone.groups == []
-    assert rows.unscoped is not None and int(rows.unscoped.sum()) == 1  # cut's row 8: out of scope
-    assert rows.hi - rows.lo == 7 and rows.gather.numel() == 7 * 3  # 7 slots, 3 rows each (a and cut have 3)
+    assert rows.unscoped is not None and int(rows.unscoped.sum()) == 3  # cut's row 8, narrow_cut's two
+    assert rows.hi - rows.lo == 8 and rows.gather.numel() == 8 * 3  # 8 slots, 3 rows each (a and cut have 3)
 
 
 def test_a_prompt_chunk_beside_decodes_goes_alone(tiny_model):
@@ -73,7 +78,7 @@ def test_a_prompt_chunk_beside_decodes_goes_alone(tiny_model):
     chunk = FP32_MAX_ROWS + 5
     seqs, num_tokens = [b, a, None, c, cut, a, b], [1, chunk, 1, 1, 3, 1, 1]
     answer = list(range(1 + chunk + 2, 1 + chunk + 2 + 2))  # the cut adapter's first prompt rows only
-    rows = grouped_rows(tiny_model, AdapterSlots(2, tiny_model.dtype, "cpu"), seqs, num_tokens, answer)
+    rows = grouped_rows(tiny_model, new_slots(tiny_model), seqs, num_tokens, answer)
     assert isinstance(rows, GroupedRows)
     assert [adapter for adapter, _, _ in rows.alone.groups] == [a]
 
@@ -82,7 +87,7 @@ def test_a_full_group_beside_base_rows_gets_a_zero_place(tiny_model):
     """Every slot's places taken by its rows (each adapter the same number) and base rows: one more place per slot,
     so that the base rows read a zero; without base rows none is added."""
     a, b, c = (served(tiny_model, s) for s in (50, 51, 52))
-    slots = AdapterSlots(2, tiny_model.dtype, "cpu")
+    slots = new_slots(tiny_model)
     rows = grouped_rows(tiny_model, slots, [a, b, None, c, b, a, c], [1, 1, 2, 1, 1, 1, 1])
     assert rows.gather.numel() == 3 * 3
     rows = grouped_rows(tiny_model, slots, [a, b, c, b, a, c], [1] * 6)
@@ -92,7 +97,7 @@ def test_a_full_group_beside_base_rows_gets_a_zero_place(tiny_model):
 def test_slots_are_reused_grown_and_widened(tiny_model):
     """Slots of adapters no longer live go to new ones, lowest first; the stacks grow in slots and in width (a
     wider adapter) and keep the adapters already in them."""
-    slots = AdapterSlots(2, tiny_model.dtype, "cpu")
+    slots = new_slots(tiny_model)
     first = [served(tiny_model, s, r=4) for s in range(60, 63)]
     assert slots.assign(first, first) == [0, 1, 2]
     grouped_rows(tiny_model, slots, first, [2, 1, 3])
@@ -104,7 +109,7 @@ def test_slots_are_reused_grown_and_widened(tiny_model):
 
 def test_adapters_sparse_in_the_slots_or_too_few_go_alone(tiny_model):
     adapters = [served(tiny_model, s) for s in range(70, 76)]
-    slots = AdapterSlots(2, tiny_model.dtype, "cpu")
+    slots = new_slots(tiny_model)
     slots.assign(adapters, adapters)
     apart = [adapters[0], None, adapters[5]]  # slots 0 and 5: a range of 6 for 2 adapters
     assert isinstance(grouped_rows(tiny_model, slots, apart, [1, 1, 1], live=adapters), AdapterRows)
