@@ -12,8 +12,8 @@ one run) into one input, so each adapter costs the same two small matmuls per pr
 for the batch. Rows of the base model get nothing.
 
 This is an adapter as ``Llama.project`` reads one (``alchemist.model.llama.Adapter``), like ``RowScope``: the model
-stays the same math. Such steps run eager; the compiled step (``alchemist.engine.compiled_decode``) takes merged or
-base weights only.
+stays the same math. It is the simple twin of the grouped deltas (``alchemist.engine.adapter_groups``), which use it
+for the adapters they leave alone (a prompt chunk's), and the tests' reference for them.
 """
 
 from __future__ import annotations

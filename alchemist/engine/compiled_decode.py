@@ -26,7 +26,9 @@ are graph inputs, not constants, so a newly merged adapter serves without recomp
 
 It applies to forwards that add no separate adapter delta and record nothing (every step but those right after a swap
 whose merge is not complete, and those with a recorded prompt chunk), on a CPU where our decode kernel runs:
-``EngineConfig.compile_decode``.
+``EngineConfig.compile_decode``; and to decode steps of several adapters whose deltas are all grouped
+(``alchemist.engine.adapter_groups``), through a layer of its own (``grouped_decode_layer``), compiled at the first
+such step with every size dynamic.
 fp32 greedy tokens equal the eager path's (tests/engine/test_compiled_decode.py); in bf16 inductor keeps some
 intermediates in fp32 that eager rounds, so the two agree to bf16 rounding, like any two bf16 kernels (its
 batch-1 graph and dynamic graph too: a bf16 greedy answer depends on the batches it decodes in, docs/benchmarks.md
@@ -48,6 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from alchemist.engine.adapter_groups import GroupedRows, LayerDeltas, grouped_delta
 from alchemist.engine.packed_ops import ROW_MULTIPLE
 from alchemist.model import cpu_kernels
 from alchemist.model.attention import AttentionMetadata, KVCache, Segment, attend
@@ -98,19 +101,33 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     return torch.ops.alchemist.packed_linear(x, weight, bias, out) if s.packed else F.linear(x, weight, bias)
 
 
-def layer_math(h: torch.Tensor, rot: Rotation, w: LayerWeights, s: LayerShape, attention) -> torch.Tensor:
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: int, s: LayerShape,
+    deltas: LayerDeltas | None, name: str,
+) -> torch.Tensor:  # fmt: skip
+    """The linear, plus the step's grouped adapter deltas where it has them (``Llama.project``)."""
+    y = _linear(x, weight, bias, out, s)
+    if deltas is not None and (ab := getattr(deltas, name)) is not None:
+        y = y + grouped_delta(x, *ab, deltas.gather, deltas.back)
+    return y
+
+
+def layer_math(
+    h: torch.Tensor, rot: Rotation, w: LayerWeights, s: LayerShape, attention, deltas: LayerDeltas | None = None
+) -> torch.Tensor:
     """``Llama.layer_forward`` over tensors only, h (T, d) -> (T, d), with ``attention(q, k, v)`` (RoPE applied;
-    it writes the keys and values into the cache) as the one opaque call besides the linears."""
+    it writes the keys and values into the cache) as the one opaque call besides the linears; ``deltas``: the
+    grouped deltas of the step's adapters (``alchemist.engine.adapter_groups``), or none."""
     x = rms_norm(h, w.input_norm, s.eps)
-    qkv = _linear(x, w.qkv, w.qkv_bias, s.q_size + 2 * s.kv_size, s)
+    qkv = _project(x, w.qkv, w.qkv_bias, s.q_size + 2 * s.kv_size, s, deltas, "qkv")
     q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
     q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), rot)
     k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), rot)
     v = v.view(-1, s.num_kv_heads, s.head_dim)
-    h = h + _linear(attention(q, k, v).flatten(-2), w.o, None, s.hidden_size, s)
+    h = h + _project(attention(q, k, v).flatten(-2), w.o, None, s.hidden_size, s, deltas, "o")
     x = rms_norm(h, w.post_norm, s.eps)
-    gate, up = _linear(x, w.gate_up, None, 2 * s.intermediate_size, s).chunk(2, dim=-1)
-    return h + _linear(F.silu(gate) * up, w.down, None, s.hidden_size, s)
+    gate, up = _project(x, w.gate_up, None, 2 * s.intermediate_size, s, deltas, "gate_up").chunk(2, dim=-1)
+    return h + _project(F.silu(gate) * up, w.down, None, s.hidden_size, s, deltas, "down")
 
 
 def decode_layer(
@@ -122,13 +139,30 @@ def decode_layer(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     s: LayerShape,
+    deltas: LayerDeltas | None = None,
 ) -> torch.Tensor:
     """A layer for B decode rows, h (B, d) -> (B, d): attention by our decode kernel."""
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.alchemist.decode_attention(q, k, v, k_cache, v_cache, slots, positions, s.head_dim**-0.5)
 
-    return layer_math(h, rot, w, s, attention)
+    return layer_math(h, rot, w, s, attention, deltas)
+
+
+def grouped_decode_layer(
+    h: torch.Tensor,
+    rot: Rotation,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    s: LayerShape,
+    deltas: LayerDeltas,
+) -> torch.Tensor:
+    """``decode_layer`` with the grouped deltas of the step's adapters: a function of its own, so that its graphs
+    (compiled at the first such step) are kept apart from the warm ones of ``decode_layer``."""
+    return decode_layer(h, rot, slots, positions, w, k_cache, v_cache, s, deltas)
 
 
 def step_layer(
@@ -182,7 +216,19 @@ def _compiled_layer(
     that builds engines of several models (tests, a library user) would reach it; one model needs two of each (one
     row, and the dynamic row count)."""
     code = fn.__code__.replace()  # a new, equal code object
-    return torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__), fullgraph=True)
+    return torch.compile(types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__), fullgraph=True)
+
+
+def _mark_dynamic(h: torch.Tensor, rot: Rotation, slots: torch.Tensor, positions: torch.Tensor,
+                  deltas: LayerDeltas) -> None:  # fmt: skip
+    """The first grouped step's sizes as dynamic from the start: the rows, the grouped places and the slots change
+    from step to step, and a recompile each time one first changes would stall serving for seconds."""
+    for t in (h, *rot, slots, positions, deltas.back, deltas.gather):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    for ab in deltas[2:]:
+        if ab is not None:
+            for t in (ab[0], *ab[1]):  # A, and each part's B
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def compiled_decode_supported(cache: KVCache) -> bool:
@@ -210,10 +256,12 @@ class CompiledDecode:
         )
         self._layer = _compiled_layer(decode_layer, self.shape, model.dtype)
         self._step_layer = _compiled_layer(step_layer, self.shape, model.dtype)
+        self._grouped_layer = _compiled_layer(grouped_decode_layer, self.shape, model.dtype)
         self._layer_ids = [torch.tensor(i) for i in range(len(model.layers))]  # step_attention's layer argument
         self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
         self.num_steps = 0  # decode steps run compiled (tests, profiles)
         self.num_prompt_steps = 0  # steps with prompt chunks run compiled
+        self.num_grouped_steps = 0  # decode steps run compiled with several adapters' grouped deltas
         self.warm_up_s = 0.0  # how long the warm-up (the compile) took
 
     @classmethod
@@ -255,15 +303,25 @@ class CompiledDecode:
         return LayerWeights(*(None if w is None else w.detach() for w in (*weights, proj["down"])))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, max_position: int, ops
-    ) -> torch.Tensor:
-        """B decode rows (token, position, slot each, (B,) int64) through every layer -> final hidden (B, d)."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, max_position: int, ops,
+        groups: GroupedRows | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """B decode rows (token, position, slot each, (B,) int64) through every layer -> final hidden (B, d); with
+        the grouped deltas of ``groups`` (``GroupedRows.compilable``) if given."""
         model = self.model
         h = F.embedding(input_ids, model.embed)
         rot = model.rope(positions, h.dtype, max_position)
         for i, w in enumerate(self.weights(ops)):
-            h = self._layer(h, rot, slots, positions, w, self.cache.k[i], self.cache.v[i], self.shape)
+            k, v = self.cache.k[i], self.cache.v[i]
+            if groups is None:
+                h = self._layer(h, rot, slots, positions, w, k, v, self.shape)
+            else:
+                deltas = groups.layer_deltas(i)
+                if not self.num_grouped_steps:
+                    _mark_dynamic(h, rot, slots, positions, deltas)
+                h = self._grouped_layer(h, rot, slots, positions, w, k, v, self.shape, deltas)
         self.num_steps += 1
+        self.num_grouped_steps += groups is not None
         return h
 
     def forward_step(

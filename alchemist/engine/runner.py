@@ -13,7 +13,7 @@ seam's base linear (``Llama.project``), so the records hold base outputs; every 
 the shared adapter projects with it merged into the weights (``MergedLinearOps``), once the merge, one layer per
 step after a swap, is complete. Only the shared adapter is merged (a merge is a copy of the targeted projections);
 a named adapter adds its delta. A step whose rows have several adapters (the base model counted as one) projects
-with the base weights and adds each adapter's delta on its own rows (``alchemist.engine.adapter_rows``).
+with the base weights and adds each adapter's delta on its own rows, grouped (``alchemist.engine.adapter_groups``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from alchemist.activations.recorder import Chunk, Recorder
 from alchemist.config import EngineConfig
-from alchemist.engine.adapter_rows import AdapterRows
+from alchemist.engine.adapter_groups import GroupedRows
+from alchemist.engine.adapter_slots import AdapterSlots
 from alchemist.engine.compiled_decode import CompiledDecode
 from alchemist.engine.merged_adapter import MergedLinearOps
 from alchemist.engine.packed_ops import PackedLinearOps, pack, packed_linear, packed_linear_supported
@@ -46,6 +47,8 @@ class ModelRunner:
         self.named: dict[str, tuple[ServedAdapter, int]] = {}  # the adapters served by name, with their versions
         self.num_merged_steps = 0  # forwards that projected with the merged weights (tests, profiles)
         self.num_mixed_steps = 0  # forwards whose rows had several adapters (tests, profiles)
+        # the adapters of such steps, stacked for their grouped deltas (copied in at their first such step)
+        self.slots = AdapterSlots(model.config, model.dtype, model.device)
         c = model.config
         self.cache = KVCache(
             c.num_layers,
@@ -157,17 +160,21 @@ class ModelRunner:
         meta = AttentionMetadata(segments, cache=self.cache)
         ops = self.ops_for(batch, meta)
         served = [self.served(seq.adapter_name) for seq in batch.seqs]
-        # Rows of several adapters: the base weights and each adapter's delta on its rows, eager (the compiled step
-        # takes one set of weights, and its graph no per-row deltas).
+        # Rows of several adapters: the base weights and each adapter's delta on its rows, grouped where that pays.
         if any(a is not served[0] for a in served):
-            adapter: Adapter | None = AdapterRows.of(served, batch.num_tokens, self.answer_rows(batch), device)
+            live = {a for a in (self.adapter, *(a for a, _ in self.named.values())) if a is not None}
+            answer = self.answer_rows(batch)
+            adapter: Adapter | None = GroupedRows.of(self.slots, served, batch.num_tokens, answer, live, device)
             self.num_mixed_steps += 1
         else:
             ops, adapter = self.one_adapter(batch, served[0], ops, len(ids))
-        if self.compiled is not None and ops in (self.ops, self.merged) and adapter is None:  # records nothing
+        # Decodes of several adapters, all grouped, run compiled too, the grouped deltas in the layer's graph.
+        grouped = adapter if isinstance(adapter, GroupedRows) and adapter.compilable and meta.all_decode else None
+        compiled = self.compiled is not None and ops in (self.ops, self.merged)  # records nothing
+        if compiled and (adapter is None or grouped is not None):
             if meta.all_decode:
                 slots = torch.tensor([seg.slot for seg in segments], dtype=torch.long, device=device)  # (T,)
-                hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops)
+                hidden = self.compiled.forward(input_ids, pos, slots, meta.max_position, ops, grouped)
             else:
                 hidden = self.compiled.forward_step(input_ids, pos, meta, ops)
         else:

@@ -37,6 +37,8 @@ class ServedAdapter:
         self.dtype = torch.promote_types(model_dtype, torch.float32)  # fp64 models (tests) keep fp64
         self.device = torch.device(device)
         r, scaling = adapter.config.r, adapter.config.scaling
+        self.r = r
+        self.targeted = {fused: adapter.targeted(fused) for fused in FUSED_PARTS}  # the parts of each, in order
         shapes = part_shapes(adapter.model_config)
         tensors = adapter.module_tensors()  # (layer, PEFT module, "A" | "B") -> (r, in) | (out, r), views
         self._weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -98,6 +100,16 @@ class ServedAdapter:
         at, bt = weights
         cols = self._cut[layer, name]
         return torch.mm(torch.mm(x.to(at.dtype), at[:, cols]), bt[cols]).to(x.dtype)
+
+    def fused(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused projection's ``scaling * A^T`` (in, parts*r) and ``B^T`` (parts*r, out), fp32 (the delta's own
+        copies: read, never change); None if the adapter does not target it."""
+        return self._weights.get((layer, name))
+
+    def cut_columns(self, layer: int, name: str) -> torch.Tensor | None:
+        """Which of the fused projection's parts*r columns of ``scaling * A^T`` are cut ranks (parts*r,) bool; None
+        where the adapter has none there."""
+        return self._cut.get((layer, name))
 
     def merged_weight(self, layer: int, name: str, base: torch.Tensor) -> torch.Tensor | None:
         """The fused projection's weight with the delta folded in, ``base + (A^T B^T)^T`` (out, in), computed in
