@@ -102,7 +102,7 @@ OURS_VS_REFERENCE = 1.0
 def serve_adapters_block(meta: dict, folder: Path) -> str:
     """`bench serve --adapters`' rows: per run (``meta["runs"]``: label -> files, as serve's), workload, K and
     concurrency, output tok/s (medians of the files) and TTFT / TPOT; then issue 44's goals where ``meta`` names
-    ``ours`` and ``reference``: the most adapters against one, ours against the reference at each K."""
+    ``ours``: the most adapters against one, and ours against the ``reference`` at each K where it names one."""
     groups = {label: [r for f in files for r in read_rows(folder / f)] for label, files in meta["runs"].items()}
     keys = list(dict.fromkeys((r["workload"], r["adapters"], r["concurrency"]) for rs in groups.values() for r in rs))
 
@@ -117,11 +117,11 @@ def serve_adapters_block(meta: dict, folder: Path) -> str:
             for label in groups for key in keys if median(label, key, "output_tok_s") is not None]  # fmt: skip
     if "ours" not in meta:
         return table(header, body)
-    ours, ref, goals = meta["ours"], meta["reference"], []
+    ours, ref, goals = meta["ours"], meta.get("reference"), []
     for workload, k, c in keys:
         value = median(ours, (workload, k, c), "output_tok_s")
         one = median(ours, (workload, 1, c), "output_tok_s")
-        theirs = median(ref, (workload, k, c), "output_tok_s")
+        theirs = median(ref, (workload, k, c), "output_tok_s") if ref in groups else None
         if k == max(key[1] for key in keys) and k > 1 and value and one:
             goals.append([workload, k, c, f"{ours}: {k} adapters / 1", value / one, MANY_ADAPTERS_VS_ONE])
         if value and theirs:
