@@ -47,8 +47,8 @@ from alchemist.model.lora import FUSED_PARTS
 
 # Adapters with at most this many rows in a step are grouped (padded to the most rows among them); more go alone. A
 # bmm of so few rows per slot is bound by reading the weights, so the padding costs little. 16, not 8: 32 streams
-# over 4 adapters hold 6-10 rows each as requests end and start, and one adapter over the bound sent the whole step
-# eager (4 adapters served 0.63x of one adapter's tok/s; docs/benchmarks.md, "Many adapters").
+# over 4 adapters hold 6-10 rows each as requests end and start, and an adapter over the bound sends the whole step
+# eager (docs/benchmarks.md, "Many adapters": 4 adapters still serve less than 16 do, not understood yet).
 GROUP_MAX_ROWS = 16
 assert GROUP_MAX_ROWS < FP32_MAX_ROWS  # grouped deltas are fp32 deltas
 MIN_GROUP = 2  # fewer grouped adapters than this: each alone (a group of one costs more ops than its delta alone)
