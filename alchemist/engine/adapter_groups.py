@@ -138,15 +138,8 @@ class GroupedRows:
     def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """The batch's delta on x (T, in) -> (T, out): each adapter's on its rows, zeros on the base model's; None
         if no adapter of the batch targets the projection."""
-        out = self._grouped(layer, name, x) if name in self.names else None
-        for adapter, rows, unscoped in self.alone.groups:
-            part = adapter.delta(layer, name, x[rows], unscoped)  # (R, out)
-            if part is None:
-                continue
-            if out is None:
-                out = x.new_zeros(x.shape[0], part.shape[1])  # (T, out)
-            out[rows] = part
-        return out
+        grouped = self._grouped(layer, name, x) if name in self.names else None  # zeros on the rows not grouped
+        return self.alone.delta(layer, name, x, out=grouped)  # the others' rows, written into it
 
     @property
     def compilable(self) -> bool:

@@ -55,10 +55,10 @@ class AdapterRows:
             groups.append((adapter, _as_index(rows, device), unscoped))
         return cls(groups)
 
-    def delta(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The batch's delta on x (T, in) -> (T, out): each adapter's on its rows, zeros on the base model's; None
-        if no adapter of the batch targets the projection."""
-        out: torch.Tensor | None = None
+        if no adapter of the batch targets the projection. ``out``: a delta to write this one's rows into (the
+        grouped adapters', ``alchemist.engine.adapter_groups``), returned."""
         for adapter, rows, unscoped in self.groups:
             # A bf16 model's delta dtype follows the rows given (FP32_MAX_ROWS): an adapter's rows here, all of its
             # sequences together, so a row's delta may be rounded otherwise than when it is served alone.
