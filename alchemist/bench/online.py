@@ -58,6 +58,7 @@ import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from alchemist.bench import http_calls
 from alchemist.bench.backlog import BacklogSampler
 from alchemist.bench.facts import invented_facts
 from alchemist.bench.latency import StreamClock, latency_fields
@@ -163,7 +164,7 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+            if http_calls.get(server.url + "/health", timeout=1).status_code == 200:
                 return server
         except httpx.TransportError:
             pass
@@ -179,7 +180,7 @@ def stop_server(server: Server) -> None:
 def scrape(url: str) -> dict[str, float]:
     """/metrics samples by name and labels, e.g. ``alchemist:training_samples_total{path="replay"}``."""
     samples = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(http_calls.get(url + "/metrics", timeout=30).text):
         for s in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
@@ -194,7 +195,7 @@ def trained_through(url: str) -> int:
 def trained(url: str) -> tuple[int, set[int]]:
     """``trained_through``, and the feedback entries (seqs) the promoted versions still listed trained: one
     settled past an entry carried over to a later batch is trained before the position reaches it."""
-    listing = httpx.get(url + "/v1/adapters", timeout=30).json()
+    listing = http_calls.get(url + "/v1/adapters", timeout=30).json()
     seqs = {seq for v in listing["data"] if v["promoted"] for seq in v["metrics"].get("seqs", [])}
     return max((v["log_position"] for v in listing["data"]), default=0), seqs
 

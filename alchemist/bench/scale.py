@@ -38,9 +38,9 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-import httpx
 import numpy as np
 
+from alchemist.bench import http_calls
 from alchemist.bench.online import (
     RequestResult,
     build_workload,
@@ -63,7 +63,7 @@ def replica_urls(url: str, replicas: int) -> list[str]:
     """Where each replica serves (the front's /v1/replicas), or the server itself (one replica, no front)."""
     if replicas == 1:
         return [url]
-    return [r["url"] for r in httpx.get(url + "/v1/replicas", timeout=30).json()["data"]]
+    return [r["url"] for r in http_calls.get(url + "/v1/replicas", timeout=30).json()["data"]]
 
 
 def summed(urls: list[str]) -> dict[str, float]:
@@ -79,7 +79,7 @@ def wait_ready(url: str, replicas: int, timeout_s: float = 600.0) -> None:
     """Until every replica serves and, where they train, trains in the replicas' group (not "waiting")."""
     deadline = time.monotonic() + timeout_s
     while replicas > 1 and time.monotonic() < deadline:
-        states = httpx.get(url + "/v1/replicas", timeout=30).json()["data"]
+        states = http_calls.get(url + "/v1/replicas", timeout=30).json()["data"]
         if all(r["state"] == "ready" and r["training"] != "waiting" for r in states):
             return
         time.sleep(0.5)
@@ -88,7 +88,7 @@ def wait_ready(url: str, replicas: int, timeout_s: float = 600.0) -> None:
 
 
 def queued(url: str) -> int:
-    backlog = httpx.get(url + "/v1/feedback", params={"limit": 1}, timeout=30).json()["backlog"]
+    backlog = http_calls.get(url + "/v1/feedback", params={"limit": 1}, timeout=30).json()["backlog"]
     return sum(kind["count"] for kind in backlog.values())
 
 
@@ -141,13 +141,13 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
             misses = front.get('alchemist:front_feedback_total{affinity="miss"}', 0.0)
             row["feedback_affinity"] = round(hits / (hits + misses), 3) if hits + misses else None
             deadline = time.monotonic() + 60.0  # a version swaps in at a replica's next step: give them that
-            while len(versions := {r["adapter_version"] for r in httpx.get(
+            while len(versions := {r["adapter_version"] for r in http_calls.get(
                     server.url + "/v1/replicas", timeout=30).json()["data"]}) > 1 and time.monotonic() < deadline:
                 time.sleep(0.5)
             row["versions"] = sorted(versions)
         else:
             row["feedback_affinity"] = 1.0 if row["feedback"] else None  # one replica holds every record
-            row["versions"] = [httpx.get(server.url + "/v1/adapters", timeout=30).json()["serving_version"]]
+            row["versions"] = [http_calls.get(server.url + "/v1/adapters", timeout=30).json()["serving_version"]]
     finally:
         stop_server(server)
     shutil.rmtree(workdir / "data", ignore_errors=True)

@@ -58,7 +58,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from alchemist.bench import serve_adapters
+from alchemist.bench import http_calls, serve_adapters
 from alchemist.bench.chat_load import Chat, RequestResult, first_model_id, run_chats
 from alchemist.bench.latency import latency_fields
 from alchemist.bench.report import print_rows
@@ -175,7 +175,7 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if http_calls.get(url + "/health", timeout=1).status_code == 200:
                 print(f"# server log {log.name}", file=sys.stderr)
                 return process, url + "/v1"
         except httpx.TransportError:

@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from alchemist.bench import http_calls
 from alchemist.bench.backlog import BacklogSampler
 from alchemist.bench.online import scrape
 from alchemist.bench.report import print_rows
@@ -181,7 +182,7 @@ def start_server(args: argparse.Namespace, run: str, workdir: Path) -> tuple[sub
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; see {workdir / 'server.log'}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if http_calls.get(url + "/health", timeout=1).status_code == 200:
                 return process, url
         except httpx.TransportError:
             pass
@@ -259,7 +260,7 @@ def run_load(url: str, samples: list, args: argparse.Namespace, done: Callable[[
 def gate_costs(url: str, run: str) -> list[dict]:
     """Each adapter version's evaluation time and its share of the version's training time (which includes it)."""
     rows = []
-    for v in httpx.get(url + "/v1/adapters", timeout=30).json()["data"]:
+    for v in http_calls.get(url + "/v1/adapters", timeout=30).json()["data"]:
         evaluation = (v.get("metrics") or {}).get("evaluation")
         train_s = (v.get("metrics") or {}).get("train_s")
         if evaluation is None or not train_s:

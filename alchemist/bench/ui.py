@@ -26,6 +26,7 @@ import time
 
 import httpx
 
+from alchemist.bench import http_calls
 from alchemist.bench.report import print_rows
 from alchemist.bench.serving import start_server, stop_process
 
@@ -111,7 +112,7 @@ def one_round(client: httpx.Client, page, body: dict, api_first: bool) -> tuple[
 
 
 def latency(browser, base_url: str, rounds: int, max_tokens: int) -> dict:
-    model = httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = http_calls.get(base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
     context = browser.new_context(base_url=base_url)
     settings = {"maxTokens": max_tokens, "temperature": 0}
     context.add_init_script(f"localStorage.setItem('alchemist.settings', '{json.dumps(settings)}')")

@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME, launch_server, wait_ready
 from tests.server.test_online import FACTS, adapters, ask, feedback, stop, wait_trained_through
 
@@ -82,7 +82,7 @@ def main() -> None:
         ]
         again = feedback(server, response_id=answers[0][0], correction=FACTS[0][1])
         assert again["id"] == acks[0]["id"], (again, acks[0])  # idempotent
-        unknown = httpx.post(server.base_url + "/v1/feedback", json={"response_id": "chatcmpl-nope", "rating": 1})
+        unknown = http_calls.post(server.base_url + "/v1/feedback", json={"response_id": "chatcmpl-nope", "rating": 1})
         assert unknown.status_code == 404, unknown.text
         last = max(int(a["id"].removeprefix("fb-")) for a in acks)
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def main() -> None:
         print(f"ok   4 corrections trained in {time.perf_counter() - t0:.1f}s: serving version {trained}, "
               f"{replayed:.0f} sample passes replayed, {recomputed:.0f} recomputed", flush=True)  # fmt: skip
         after = ask(server, FACTS[0][0])[1]
-        response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
+        response = http_calls.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
         assert response.status_code == 200, response.text
         base_again = ask(server, FACTS[0][0])[1]
         assert base_again == answers[0][1], (base_again, answers[0][1])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from alchemist.bench import http_calls
 from alchemist.bench.serving import stop_process
 from tests.server.conftest import ServerProcess, launch_server, wait_ready
 
@@ -33,7 +34,7 @@ def running_front(tmp: Path, postgres_url: str, ray_address: str, flags: list[st
 
 
 def replicas(front: ServerProcess) -> list[dict]:
-    return httpx.get(front.base_url + "/v1/replicas", headers=front.headers, timeout=10).json()["data"]
+    return http_calls.get(front.base_url + "/v1/replicas", headers=front.headers, timeout=10).json()["data"]
 
 
 def wait_replicas(front: ServerProcess, ready: int, timeout_s: float = START_TIMEOUT_S, changed_pid: int = 0) -> list:

@@ -10,9 +10,9 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.scale.replica import replica_of
 from tests.scale.helpers import replicas, running_front, wait_replicas
 from tests.server.conftest import MODEL_NAME, ServerProcess
@@ -30,7 +30,7 @@ def front(tmp_path_factory, postgres_server, ray_address):
 def chat(front: ServerProcess, question: str, max_tokens: int = 8) -> dict:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
-    response = httpx.post(front.base_url + "/v1/chat/completions", json=body, headers=front.headers, timeout=120)
+    response = http_calls.post(front.base_url + "/v1/chat/completions", json=body, headers=front.headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -52,7 +52,7 @@ def test_requests_through_the_front_reach_both_replicas(front):
     stable = 'alchemist:front_requests_total{reason="stable",replica="0"}'  # labels sorted
     before = metric(front, stable)
     for _ in range(3):
-        assert httpx.get(front.base_url + "/v1/models", headers=front.headers, timeout=10).status_code == 200
+        assert http_calls.get(front.base_url + "/v1/models", headers=front.headers, timeout=10).status_code == 200
     assert metric(front, stable) == before + 3
 
 
@@ -61,11 +61,11 @@ def test_feedback_goes_to_the_replica_that_served_the_response(front):
     for question in ("What is the capital of France?", "Name a primary colour.", "Count to three."):
         answer = chat(front, question)
         body = {"response_id": answer["id"], "rating": 1}
-        response = httpx.post(front.base_url + "/v1/feedback", json=body, headers=front.headers, timeout=30)
+        response = http_calls.post(front.base_url + "/v1/feedback", json=body, headers=front.headers, timeout=30)
         assert response.status_code == 200, response.text
     assert metric(front, 'alchemist:front_feedback_total{affinity="hit"}') == hits + 3
     # the shared log holds them all, whichever replica is asked
-    listed = httpx.get(front.base_url + "/v1/feedback", headers=front.headers, timeout=30).json()["data"]
+    listed = http_calls.get(front.base_url + "/v1/feedback", headers=front.headers, timeout=30).json()["data"]
     assert len(listed) >= 3
 
 
@@ -78,8 +78,8 @@ def test_a_killed_replica_cuts_its_streams_and_comes_back(front):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": question}], "max_tokens": 400,
             "min_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
     events = []
-    with httpx.stream("POST", front.base_url + "/v1/chat/completions", json=body, headers=front.headers,
-                      timeout=60) as stream:  # fmt: skip
+    with http_calls.stream("POST", front.base_url + "/v1/chat/completions", json=body, headers=front.headers,
+                           timeout=60) as stream:  # fmt: skip
         for line in stream.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
@@ -96,7 +96,7 @@ def test_a_killed_replica_cuts_its_streams_and_comes_back(front):
 
 
 def metric(front: ServerProcess, name: str) -> float:
-    text = httpx.get(front.base_url + "/metrics", headers=front.headers, timeout=10).text
+    text = http_calls.get(front.base_url + "/metrics", headers=front.headers, timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])

@@ -10,9 +10,9 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.bench.facts import FACTS, is_known
 from alchemist.scale.replica import replica_of
 from tests.scale.helpers import replicas, running_front, wait_replicas, wait_training
@@ -34,7 +34,7 @@ def front(tmp_path_factory, postgres_server, ray_address):
 def ask(base_url: str, question: str) -> dict:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": question}], "max_tokens": 24,
             "temperature": 0, "alchemist": {"record": True}}  # fmt: skip
-    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+    response = http_calls.post(base_url + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -51,13 +51,13 @@ def test_corrections_on_either_replica_train_one_version_both_serve(front):
             break
     assert set(taught) == {0, 1}, taught
     for fact, response_id in taught.values():
-        response = httpx.post(front.base_url + "/v1/feedback", json={"response_id": response_id,
-                              "correction": fact[1]}, timeout=30)  # fmt: skip
+        response = http_calls.post(front.base_url + "/v1/feedback", json={"response_id": response_id,
+                                   "correction": fact[1]}, timeout=30)  # fmt: skip
         assert response.status_code == 200, response.text
     # One data-parallel batch: both replicas publish the same version, and the shared log has both trained by it.
     deadline = time.monotonic() + TRAIN_TIMEOUT_S
     while time.monotonic() < deadline:
-        entries = httpx.get(front.base_url + "/v1/feedback", timeout=30).json()["data"]
+        entries = http_calls.get(front.base_url + "/v1/feedback", timeout=30).json()["data"]
         states = replicas(front)
         versions = {r["adapter_version"] for r in states}
         if all(e["state"] == "trained" for e in entries) and len(versions) == 1 and versions != {0}:
@@ -83,8 +83,8 @@ def test_a_replica_killed_while_training_comes_back_at_the_current_version(front
     acknowledged = []
     for fact in FACTS[5:9]:
         answer = ask(front.base_url, fact[0])
-        response = httpx.post(front.base_url + "/v1/feedback", json={"response_id": answer["id"],
-                              "correction": fact[1]}, timeout=30)  # fmt: skip
+        response = http_calls.post(front.base_url + "/v1/feedback", json={"response_id": answer["id"],
+                                   "correction": fact[1]}, timeout=30)  # fmt: skip
         assert response.status_code == 200, response.text
         acknowledged.append(response.json()["id"])
     os.kill(victim["pid"], signal.SIGKILL)
@@ -94,7 +94,7 @@ def test_a_replica_killed_while_training_comes_back_at_the_current_version(front
     wait_training(front, after_generation=survivor["generation"] + 2)  # without the dead one, then with it again
     deadline = time.monotonic() + TRAIN_TIMEOUT_S
     while time.monotonic() < deadline:
-        entries = {e["id"]: e for e in httpx.get(front.base_url + "/v1/feedback", timeout=30).json()["data"]}
+        entries = {e["id"]: e for e in http_calls.get(front.base_url + "/v1/feedback", timeout=30).json()["data"]}
         assert set(acknowledged) <= set(entries)
         assert all(entries[i]["state"] in ("queued", "trained") for i in acknowledged), entries
         states = replicas(front)

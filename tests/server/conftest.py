@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
 
@@ -50,11 +51,12 @@ class ServerProcess:
     def client(self, api_key: str | None = None, **kwargs) -> openai.OpenAI:
         # No retries: a 429 or 5xx must reach the test as it is.
         key = api_key or self.api_key or "unused"
+        kwargs.setdefault("http_client", openai.DefaultHttpxClient(verify=http_calls.TLS))  # no CA bundle per client
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=key, max_retries=0, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics, e.g. {"alchemist:num_requests_running": 0.0}."""
-        text = httpx.get(self.base_url + "/metrics", headers=self.headers, timeout=10).text
+        text = http_calls.get(self.base_url + "/metrics", headers=self.headers, timeout=10).text
         samples = {}
         for line in text.splitlines():
             if m := re.fullmatch(r"([a-zA-Z_:]+(?:\{[^}]*\})?) (\S+)", line):
@@ -107,7 +109,7 @@ def wait_ready(server: ServerProcess) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_path.read_text()}")
         try:
-            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
+            if http_calls.get(server.base_url + "/health", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass

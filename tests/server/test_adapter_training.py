@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import pytest
 import torch
 
+from alchemist.bench import http_calls
 from alchemist.bench.facts import FACTS
 from alchemist.model.loader import hf_dir_for, read_config
 from alchemist.model.lora import LoraAdapter, LoraConfig
@@ -102,12 +102,12 @@ def assert_same(before, after, question: str) -> None:
 def correct(server: ServerProcess, key: str, response_id: str) -> None:
     """A correction of the response through ``key``, waited for until its adapter has trained it."""
     headers = {"Authorization": f"Bearer {key}"}
-    sent = httpx.post(server.base_url + "/v1/feedback", headers=headers, timeout=30,
-                      json={"response_id": response_id, "correction": CORRECTION})  # fmt: skip
+    sent = http_calls.post(server.base_url + "/v1/feedback", headers=headers, timeout=30,
+                           json={"response_id": response_id, "correction": CORRECTION})  # fmt: skip
     assert sent.status_code == 200, sent.text
     deadline = time.monotonic() + 600
-    while (entry := httpx.get(f"{server.base_url}/v1/feedback/{sent.json()['id']}", headers=headers,
-                              timeout=30).json())["state"] == "queued":  # fmt: skip
+    while (entry := http_calls.get(f"{server.base_url}/v1/feedback/{sent.json()['id']}", headers=headers,
+                                   timeout=30).json())["state"] == "queued":  # fmt: skip
         assert time.monotonic() < deadline and server.process.poll() is None, server.log_path.read_text()[-4000:]
         time.sleep(0.2)
     assert entry["state"] == "trained", entry
@@ -140,23 +140,23 @@ def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
     versions = sorted((adapters / "team-a").glob("v*/adapter"))
     assert len(versions) >= 2 and [p.parent.name for p in (adapters / "team-b").glob("v*/adapter")] == ["v000001"]
     load_adapter(versions[-1], read_config(hf_dir_for(None)))
-    shared = httpx.get(server.base_url + "/v1/adapters", headers={"Authorization": f"Bearer {keys['ops']}"},
-                       timeout=30).json()  # fmt: skip
+    shared = http_calls.get(server.base_url + "/v1/adapters", headers={"Authorization": f"Bearer {keys['ops']}"},
+                            timeout=30).json()  # fmt: skip
     assert (shared["serving_version"], shared["data"]) == (0, []), shared
-    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {keys['ops']}"},
-                        timeout=30).text  # fmt: skip
+    metrics = http_calls.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {keys['ops']}"},
+                             timeout=30).text  # fmt: skip
     assert 'alchemist:feedback_backlog_by_adapter{adapter=""} 0.0' in metrics
 
     # team-a's versions and rollback are its own: A sees them, B may not; rolled back to its version 1 (as loaded),
     # A is answered as before the correction, token for token
-    listed = lambda key: httpx.get(server.base_url + "/v1/adapters", params={"adapter": "team-a"},  # noqa: E731
-                                   headers={"Authorization": f"Bearer {key}"}, timeout=30)  # fmt: skip
+    listed = lambda key: http_calls.get(server.base_url + "/v1/adapters", params={"adapter": "team-a"},  # noqa: E731
+                                        headers={"Authorization": f"Bearer {key}"}, timeout=30)  # fmt: skip
     assert listed(keys["B"]).status_code == 403
     team_a = listed(keys["A"]).json()
     assert team_a["serving_version"] == int(answer.system_fingerprint.removeprefix("alchemist-v"))
     assert [v["version"] for v in team_a["data"]][-1] == 1 and team_a["data"][0]["serving"]
-    rolled = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 1, "adapter": "team-a"},
-                        headers={"Authorization": f"Bearer {keys['ops']}"}, timeout=120)  # fmt: skip
+    rolled = http_calls.post(server.base_url + "/v1/adapters/rollback", json={"version": 1, "adapter": "team-a"},
+                             headers={"Authorization": f"Bearer {keys['ops']}"}, timeout=120)  # fmt: skip
     assert rolled.status_code == 200 and rolled.json()["version"] > team_a["serving_version"], rolled.text
     again = ask(server, keys["A"], QUESTION)
     assert again.system_fingerprint == f"alchemist-v{rolled.json()['version']}"
@@ -166,23 +166,23 @@ def test_corrections_through_one_key_teach_its_adapter_and_no_other(teams):
 def test_an_adapter_loaded_at_run_time_is_trained_and_stays_loaded(teams):
     server, keys, root = teams
     ops = {"Authorization": f"Bearer {keys['ops']}"}
-    loaded = httpx.post(server.base_url + "/v1/load_lora_adapter", headers=ops, timeout=120,
-                        json={"lora_name": "team-c", "lora_path": str(root / "team-a")})  # fmt: skip
+    loaded = http_calls.post(server.base_url + "/v1/load_lora_adapter", headers=ops, timeout=120,
+                             json={"lora_name": "team-c", "lora_path": str(root / "team-a")})  # fmt: skip
     assert loaded.status_code == 200, loaded.text
     assert (root / "data" / "adapters" / "team-c" / "v000001" / "adapter").is_dir()  # its trainer's version 1
     answer = ask(server, keys["ops"], QUESTION, model="team-c")
     assert answer.model == "team-c" and answer.system_fingerprint == ask(server, keys["B"], QUESTION,
                                                                          "team-b").system_fingerprint  # both: v1
     other = ask(server, keys["ops"], QUESTION, model="team-b")
-    pair = httpx.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
-                      json={"response_id": answer.id, "preferred_over": other.id})  # fmt: skip
+    pair = http_calls.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
+                           json={"response_id": answer.id, "preferred_over": other.id})  # fmt: skip
     assert pair.status_code == 400 and pair.json()["error"]["param"] == "preferred_over"  # a pair trains one adapter
-    sent = httpx.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
-                      json={"response_id": answer.id, "rating": 1})  # fmt: skip
+    sent = http_calls.post(server.base_url + "/v1/feedback", headers=ops, timeout=30,
+                           json={"response_id": answer.id, "rating": 1})  # fmt: skip
     assert sent.status_code == 200, sent.text  # accepted: it trains team-c
     # queued in team-c's own queue while its batch trains (a batch takes seconds: the gate alone does)
-    metrics = httpx.get(server.base_url + "/metrics", headers=ops, timeout=30).text
+    metrics = http_calls.get(server.base_url + "/metrics", headers=ops, timeout=30).text
     assert 'alchemist:feedback_backlog_by_adapter{adapter="team-c"} 1.0' in metrics, metrics
-    unload = httpx.post(server.base_url + "/v1/unload_lora_adapter", headers=ops, timeout=30,
-                        json={"lora_name": "team-c"})  # fmt: skip
+    unload = http_calls.post(server.base_url + "/v1/unload_lora_adapter", headers=ops, timeout=30,
+                             json={"lora_name": "team-c"})  # fmt: skip
     assert unload.status_code == 400 and "cannot be unloaded" in unload.json()["error"]["message"]

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.server.auth import add_key, hash_key
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
@@ -55,12 +56,12 @@ def ask(server: ServerProcess, key: str) -> str:
 
 def post(server: ServerProcess, path: str, key: str | None, body: dict) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
+    return http_calls.post(server.base_url + path, json=body, headers=headers, timeout=60)
 
 
 def get(server: ServerProcess, path: str, key: str | None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(server.base_url + path, headers=headers, timeout=60)
+    return http_calls.get(server.base_url + path, headers=headers, timeout=60)
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> None:

@@ -8,9 +8,9 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.bench.serving import stop_process
 from alchemist.training.checkpoint import AdapterCheckpoints
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready
@@ -37,13 +37,13 @@ def ask(server: ServerProcess, question: str, seed: int | None = None) -> str:
 
 
 def post(server: ServerProcess, body: dict) -> dict:
-    response = httpx.post(server.base_url + "/v1/feedback", json=body, timeout=60)
+    response = http_calls.post(server.base_url + "/v1/feedback", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def queued(server: ServerProcess) -> dict:
-    response = httpx.get(server.base_url + "/v1/feedback", params={"state": "queued", "limit": 1000}, timeout=30)
+    response = http_calls.get(server.base_url + "/v1/feedback", params={"state": "queued", "limit": 1000}, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -82,7 +82,7 @@ def test_a_burst_ends_trained_or_skipped_with_reasons(tmp_path):
         assert all(c["count"] == 0 for c in listing["backlog"].values())
         metrics = server.metrics()
         assert all(metrics[f'alchemist:feedback_backlog{{kind="{k}"}}'] == 0 for k in listing["backlog"])
-        entries = [httpx.get(f"{server.base_url}/v1/feedback/{i}", timeout=30).json() for i in sorted(acked)]
+        entries = [http_calls.get(f"{server.base_url}/v1/feedback/{i}", timeout=30).json() for i in sorted(acked)]
     finally:
         stop_process(server.process)
 

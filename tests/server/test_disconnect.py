@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME
 
 LONG = {
@@ -32,6 +33,6 @@ def test_disconnect_during_streaming_aborts_the_request(server):
 
 def test_disconnect_during_a_non_streaming_request_aborts_it(server):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(30, read=1.5))
+        http_calls.post(server.base_url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(30, read=1.5))
     server.wait_for_metric("alchemist:num_requests_running", 0)
     assert server.metrics()["alchemist:kv_cache_usage_perc"] == 0

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME
 
 HELLO = [{"role": "user", "content": "Hello!"}]
@@ -20,7 +21,7 @@ def assert_still_serving(server) -> None:
 
 def post_raw(server, body: bytes | str, path: str = "/v1/chat/completions", **kwargs) -> httpx.Response:
     headers = {"content-type": "application/json"}
-    return httpx.post(server.base_url + path, content=body, headers=headers, timeout=30, **kwargs)
+    return http_calls.post(server.base_url + path, content=body, headers=headers, timeout=30, **kwargs)
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -131,7 +132,7 @@ def test_lone_surrogates_are_4xx(server, path, body, status):
 
 
 def test_unknown_route_is_openai_shaped_404(server):
-    response = httpx.get(server.base_url + "/v1/nothing-here", timeout=10)
+    response = http_calls.get(server.base_url + "/v1/nothing-here", timeout=10)
     assert_openai_error(response, 404)
 
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from alchemist.bench import http_calls
 from alchemist.config import Config, EngineConfig, ServerConfig
 from alchemist.engine import LLMEngine
 from alchemist.feedback.log import decode_ids
@@ -28,7 +29,7 @@ def chat(server, messages=CAPITAL, **kwargs):
 
 
 def post_feedback(server, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + FEEDBACK, json=body, timeout=30)
+    return http_calls.post(server.base_url + FEEDBACK, json=body, timeout=30)
 
 
 def log_rows(server) -> list[dict]:
@@ -151,7 +152,7 @@ def test_bad_feedback_is_refused_and_nothing_is_written(server, served_ids, body
     if status == 404:
         assert error["code"] == "response_not_found"
     assert log_rows(server) == before
-    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert http_calls.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("raw", ['{"response_id": "x", "rating": ', "[1, 2]", "null", "rating=1"])
@@ -186,7 +187,7 @@ def test_expired_responses_are_404_but_a_logged_submission_still_answers(smollm2
 
 
 def get_feedback(server, feedback_id: str) -> httpx.Response:
-    return httpx.get(f"{server.base_url}{FEEDBACK}/{feedback_id}", timeout=30)
+    return http_calls.get(f"{server.base_url}{FEEDBACK}/{feedback_id}", timeout=30)
 
 
 def test_comment_metadata_and_client_id_are_kept_and_shown(server):
@@ -238,7 +239,7 @@ def test_the_list_pages_through_entries_and_shows_the_backlog(server):
     """This server does not train: everything stays queued, and the backlog counts it by class."""
     served = [chat(server, [{"role": "user", "content": f"Count to {i}."}], max_tokens=2) for i in range(3)]
     ids = [post_feedback(server, {"response_id": s.id, "rating": 1}).json()["id"] for s in served]
-    everything = httpx.get(server.base_url + FEEDBACK, params={"limit": 1000}, timeout=30).json()
+    everything = http_calls.get(server.base_url + FEEDBACK, params={"limit": 1000}, timeout=30).json()
     assert everything["object"] == "list" and not everything["has_more"]
     assert [e["id"] for e in everything["data"]][-3:] == ids
     assert everything["backlog"]["thumbs_up"]["count"] == sum(
@@ -246,13 +247,13 @@ def test_the_list_pages_through_entries_and_shows_the_backlog(server):
     )  # fmt: skip
     assert set(everything["backlog"]) == {"correction", "thumbs_up", "thumbs_down", "preference"}
     after = int(ids[0].removeprefix("fb-")) - 1
-    page = httpx.get(server.base_url + FEEDBACK, params={"after": f"fb-{after}", "limit": 2, "state": "queued"},
-                     timeout=30).json()  # fmt: skip
+    page = http_calls.get(server.base_url + FEEDBACK, params={"after": f"fb-{after}", "limit": 2, "state": "queued"},
+                          timeout=30).json()  # fmt: skip
     assert [e["id"] for e in page["data"]] == ids[:2] and page["has_more"]
-    assert httpx.get(server.base_url + FEEDBACK, params={"state": "trained"}, timeout=30).json()["data"] == []
+    assert http_calls.get(server.base_url + FEEDBACK, params={"state": "trained"}, timeout=30).json()["data"] == []
 
 
 @pytest.mark.parametrize("params, param", [({"state": "done"}, "state"), ({"after": "x"}, "after"),
                                            ({"limit": 0}, "limit"), ({"limit": 1001}, "limit")])  # fmt: skip
 def test_bad_list_queries_are_400(server, params, param):
-    assert_openai_error(httpx.get(server.base_url + FEEDBACK, params=params, timeout=30), 400, param)
+    assert_openai_error(http_calls.get(server.base_url + FEEDBACK, params=params, timeout=30), 400, param)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import sqlite3
 import time
 
-import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME, launch_server, wait_ready, write_keys
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
@@ -48,9 +48,9 @@ def poisoned(tmp_path_factory: pytest.TempPathFactory):
             reply = mallory.chat.completions.create(
                 model=MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0.0
             )
-            response = httpx.post(server.base_url + "/v1/feedback", json={"response_id": reply.id,
-                                  "correction": FALSEHOOD}, headers={"Authorization": f"Bearer {keys['mallory']}"},
-                                  timeout=60)  # fmt: skip
+            response = http_calls.post(server.base_url + "/v1/feedback", json={"response_id": reply.id,
+                                       "correction": FALSEHOOD}, headers={"Authorization": f"Bearer {keys['mallory']}"},
+                                       timeout=60)  # fmt: skip
             assert response.status_code == 200, response.text
             seqs.append(int(response.json()["id"].removeprefix("fb-")))
         yield server, seqs
@@ -63,10 +63,10 @@ def settled(server, seqs: list[int], timeout_s: float = 900.0) -> dict:
     """Waits until every entry left the queue; returns GET /v1/adapters."""
     deadline = time.monotonic() + timeout_s
     while True:
-        states = [httpx.get(f"{server.base_url}/v1/feedback/fb-{seq}", headers=server.headers, timeout=30).json()
+        states = [http_calls.get(f"{server.base_url}/v1/feedback/fb-{seq}", headers=server.headers, timeout=30).json()
                   for seq in seqs]  # fmt: skip
         if all(s["state"] != "queued" for s in states):
-            return httpx.get(server.base_url + "/v1/adapters", headers=server.headers, timeout=30).json()
+            return http_calls.get(server.base_url + "/v1/adapters", headers=server.headers, timeout=30).json()
         assert server.process.poll() is None, server.log_path.read_text()[-3000:]
         assert time.monotonic() < deadline, states
         time.sleep(2)
@@ -84,7 +84,7 @@ def test_a_taught_falsehood_does_not_reach_serving(poisoned):
         assert "'What is the capital of France?'" in evaluation["reason"], evaluation
     assert adapters["serving_version"] == 0  # the base model still serves
     for seq in seqs:
-        entry = httpx.get(f"{server.base_url}/v1/feedback/fb-{seq}", headers=server.headers, timeout=30).json()
+        entry = http_calls.get(f"{server.base_url}/v1/feedback/fb-{seq}", headers=server.headers, timeout=30).json()
         assert entry["state"] == "quarantined" and "was not promoted" in entry["quarantine_reason"], entry
     answer = server.client().chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,

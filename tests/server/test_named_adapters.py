@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+from alchemist.bench import http_calls
 from alchemist.engine import SamplingParams
 from alchemist.model.loader import hf_dir_for, read_config
 from alchemist.model.lora import LoraAdapter, LoraConfig
@@ -73,11 +74,11 @@ def chat(server: ServerProcess, key: str, model: str, messages=HELLO, max_tokens
 
 
 def post(server: ServerProcess, path: str, key: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    return http_calls.post(server.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
 
 
 def model_ids(server: ServerProcess, key: str) -> dict[str, dict]:
-    response = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response = http_calls.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
     return {card["id"]: card for card in response.json()["data"]}
 
 
@@ -89,7 +90,7 @@ def assert_error(response: httpx.Response, status: int, code: str | None) -> dic
 
 
 def metric(server: ServerProcess, key: str, name: str) -> float:
-    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    text = http_calls.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
@@ -210,8 +211,8 @@ def test_the_adapters_summary_has_a_row_per_adapter_the_key_may_use(named):
     for it). Nothing trains here (--no-train): the shared adapter's feedback stays queued (its backlog), and the
     named ones are served as loaded, with no versions; a request pages its adapter into the engine."""
     server, keys, _ = named
-    summary = lambda key: httpx.get(server.base_url + "/v1/adapters/summary", timeout=30,  # noqa: E731
-                                    headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    summary = lambda key: http_calls.get(server.base_url + "/v1/adapters/summary", timeout=30,  # noqa: E731
+                                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
     before = summary(keys["ops"]).json()["data"][0]["backlog"]
     shared = chat(server, keys["bob"], MODEL_NAME)
     assert post(server, "/v1/feedback", keys["bob"], {"response_id": shared.id, "rating": 1}).status_code == 200
@@ -236,7 +237,7 @@ def test_the_adapters_summary_has_a_row_per_adapter_the_key_may_use(named):
     # a user key sees the shared adapter and its own alone; without a key, the OpenAI-shaped 401
     assert [row["adapter"] for row in summary(keys["alice"]).json()["data"]] == [None, "team-a"]
     assert [row["adapter"] for row in summary(keys["bob"]).json()["data"]] == [None]
-    assert_error(httpx.get(server.base_url + "/v1/adapters/summary", timeout=30), 401, "invalid_api_key")
+    assert_error(http_calls.get(server.base_url + "/v1/adapters/summary", timeout=30), 401, "invalid_api_key")
 
 
 # --- (c) more adapters than the engine holds ----------------------------------------------------------------------

@@ -21,9 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from alchemist.bench.facts import FACTS, held_out_nll, held_out_replies
 from alchemist.bench.serving import stop_process
 from alchemist.bench.sharegpt import sample_requests
@@ -53,13 +53,13 @@ def ask(server: ServerProcess, question: str, max_tokens: int = 24) -> tuple[str
 
 
 def feedback(server: ServerProcess, **body) -> dict:
-    response = httpx.post(server.base_url + "/v1/feedback", json=body, timeout=30)
+    response = http_calls.post(server.base_url + "/v1/feedback", json=body, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def adapters(server: ServerProcess) -> dict:
-    return httpx.get(server.base_url + "/v1/adapters", timeout=30).json()
+    return http_calls.get(server.base_url + "/v1/adapters", timeout=30).json()
 
 
 def wait_trained_through(server: ServerProcess, seq: int, timeout_s: float = 600.0) -> dict:
@@ -198,16 +198,16 @@ def test_rollback_serves_the_earlier_outputs_exactly(taught):
     question = FACTS[0][0]
     trained = adapters(server)["serving_version"]
     taught_answer = ask(server, question)[1]
-    response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
+    response = http_calls.post(server.base_url + "/v1/adapters/rollback", json={"version": 0}, timeout=60)
     assert response.status_code == 200, response.text
     assert adapters(server)["serving_version"] == response.json()["version"] > trained
     settle_merge(server)
     assert ask(server, question)[1] == alone  # the base model's answer, exactly
-    response = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": trained}, timeout=60)
+    response = http_calls.post(server.base_url + "/v1/adapters/rollback", json={"version": trained}, timeout=60)
     assert response.status_code == 200, response.text
     settle_merge(server)
     assert ask(server, question)[1] == taught_answer  # the taught version's answer, exactly
-    missing = httpx.post(server.base_url + "/v1/adapters/rollback", json={"version": 999}, timeout=30)
+    missing = http_calls.post(server.base_url + "/v1/adapters/rollback", json={"version": 999}, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_not_found"
 
 

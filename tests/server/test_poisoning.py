@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
@@ -56,7 +57,7 @@ def correct(server: ServerProcess, corrections: list[tuple[str, str, str]]) -> l
     for (key, _, correction), reply_id in zip(corrections, replies, strict=True):
         headers = {"Authorization": f"Bearer {key}"}
         body = {"response_id": reply_id, "correction": correction}
-        response = httpx.post(server.base_url + "/v1/feedback", json=body, headers=headers, timeout=60)
+        response = http_calls.post(server.base_url + "/v1/feedback", json=body, headers=headers, timeout=60)
         assert response.status_code == 200, response.text
         seqs.append(int(response.json()["id"].removeprefix("fb-")))
     return seqs
@@ -65,7 +66,7 @@ def correct(server: ServerProcess, corrections: list[tuple[str, str, str]]) -> l
 def wait_for(server: ServerProcess, predicate, timeout_s: float = 300.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        adapters = httpx.get(server.base_url + "/v1/adapters", headers=server.headers, timeout=30).json()
+        adapters = http_calls.get(server.base_url + "/v1/adapters", headers=server.headers, timeout=30).json()
         if predicate(adapters):
             return adapters
         assert time.monotonic() < deadline, adapters
@@ -78,7 +79,7 @@ def trained_seqs(adapters: dict) -> set[int]:
 
 def quarantine(server: ServerProcess, key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else server.headers
-    return httpx.get(server.base_url + "/v1/quarantine", headers=headers, timeout=30)
+    return http_calls.get(server.base_url + "/v1/quarantine", headers=headers, timeout=30)
 
 
 def test_a_garbage_correction_is_quarantined_and_releasable(trained):
@@ -95,8 +96,8 @@ def test_a_garbage_correction_is_quarantined_and_releasable(trained):
     assert held["seq"] == poison and not held["released"] and "running level" in held["reason"]
     assert quarantine(server, keys["alice"]).status_code == 403  # an admin's view only
 
-    release = httpx.post(server.base_url + "/v1/quarantine/release", json={"seqs": [poison]}, headers=server.headers,
-                         timeout=30)  # fmt: skip
+    release = http_calls.post(server.base_url + "/v1/quarantine/release", json={"seqs": [poison]},
+                                   headers=server.headers, timeout=30)  # fmt: skip
     assert release.status_code == 200 and release.json()["data"][0]["released"]
     wait_for(server, lambda a: poison in trained_seqs(a))
     assert quarantine(server).json()["data"] == []

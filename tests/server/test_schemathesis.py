@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi import checks as openapi_checks
 
+from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME, launch_server, wait_ready, write_keys
 
 MAX_EXAMPLES = 25
@@ -57,16 +57,17 @@ def invalid_requests(live):
 
 def test_rollback_to_the_base_model_before_any_checkpoint(live):
     """Runs first: the fresh server has no adapter version yet. Rolling back to 0 publishes version 1."""
-    response = httpx.post(
+    response = http_calls.post(
         live.base_url + "/v1/adapters/rollback", json={"version": 0}, headers=live.headers, timeout=30
     )
     assert response.status_code == 200, response.text
     assert response.json()["version"] == 1 and response.json()["metrics"] == {"rollback_of": 0}
-    assert httpx.get(live.base_url + "/v1/adapters", headers=live.headers, timeout=30).json()["serving_version"] == 1
+    listing = http_calls.get(live.base_url + "/v1/adapters", headers=live.headers, timeout=30).json()
+    assert listing["serving_version"] == 1
 
 
 def test_the_schema_documents_errors_not_422_and_metrics_as_text(live):
-    spec = httpx.get(live.base_url + "/openapi.json", headers=live.headers, timeout=30).json()
+    spec = http_calls.get(live.base_url + "/openapi.json", headers=live.headers, timeout=30).json()
     envelope = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
-
+from alchemist.bench import http_calls
 from alchemist.engine import EngineStats
 from alchemist.feedback.sqlite_log import SQLiteFeedbackLog
 from alchemist.server.metrics import ServerMetrics
@@ -63,7 +62,7 @@ def test_series_endpoint_of_a_real_server(server, client):
     )
     deadline = time.monotonic() + 10
     while True:  # the next sample (a second at most) sees the finished request within its window
-        got = httpx.get(server.base_url + "/v1/dashboard/series", timeout=10).json()
+        got = http_calls.get(server.base_url + "/v1/dashboard/series", timeout=10).json()
         if got["t"] and got["series"]["ttft_p50_s"][-1] is not None:
             break
         assert time.monotonic() < deadline, got
@@ -72,7 +71,7 @@ def test_series_endpoint_of_a_real_server(server, client):
     assert set(got["series"]) == set(SERIES) and all(len(v) == len(got["t"]) for v in got["series"].values())
     assert got["series"]["ttft_p50_s"][-1] > 0 and got["series"]["adapter_version"][-1] == 0
     assert got["series"]["training_loss"][-1] is None  # --no-train
-    later = httpx.get(server.base_url + "/v1/dashboard/series", params={"since": got["t"][-1]}, timeout=10).json()
+    later = http_calls.get(server.base_url + "/v1/dashboard/series", params={"since": got["t"][-1]}, timeout=10).json()
     assert all(t > got["t"][-1] for t in later["t"])
-    bad = httpx.get(server.base_url + "/v1/dashboard/series", params={"since": "yesterday"}, timeout=10)
+    bad = http_calls.get(server.base_url + "/v1/dashboard/series", params={"since": "yesterday"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.since"

@@ -10,9 +10,9 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-import httpx
 from playwright.sync_api import Page, expect
 
+from alchemist.bench import http_calls
 from tests.server.conftest import ServerProcess
 from tests.ui.conftest import ADAPTER, ARTIFACTS
 
@@ -32,7 +32,7 @@ def wait_answers(page: Page, count: int) -> None:
 
 
 def feedback_entry(server: ServerProcess, feedback_id: str) -> dict:
-    response = httpx.get(f"{server.base_url}/v1/feedback/{feedback_id}", timeout=10)
+    response = http_calls.get(f"{server.base_url}/v1/feedback/{feedback_id}", timeout=10)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -88,15 +88,15 @@ def test_the_dashboard_has_a_row_per_adapter_and_rolls_back_the_one_chosen(open_
     its training and its backlog; choosing team-a shows its own versions (no base model among them), and its
     rollback button rolls team-a back, not the shared adapter."""
     question = [{"role": "user", "content": "Who makes the Tessaro?"}]
-    reply = httpx.post(web_server.base_url + "/v1/chat/completions", timeout=120,
-                       json={"model": ADAPTER, "messages": question, "max_tokens": 8})  # fmt: skip
-    sent = httpx.post(web_server.base_url + "/v1/feedback", timeout=30, json={
+    reply = http_calls.post(web_server.base_url + "/v1/chat/completions", timeout=120,
+                            json={"model": ADAPTER, "messages": question, "max_tokens": 8})  # fmt: skip
+    sent = http_calls.post(web_server.base_url + "/v1/feedback", timeout=30, json={
         "response_id": reply.json()["id"], "correction": "Bluefin makes the Tessaro."})  # fmt: skip
     assert sent.status_code == 200, sent.text
     wait_for(lambda: feedback_entry(web_server, sent.json()["id"])["state"] != "queued")  # a new version of team-a
     wait_for(lambda: all(row["backlog"] == 0 for row in adapters_summary(web_server)))  # earlier tests' feedback
     shared, team = adapters_summary(web_server)
-    versions = httpx.get(web_server.base_url + "/v1/adapters", params={"adapter": ADAPTER}, timeout=10).json()
+    versions = http_calls.get(web_server.base_url + "/v1/adapters", params={"adapter": ADAPTER}, timeout=10).json()
     assert (shared["adapter"], team["adapter"], team["serving_version"]) == (None, ADAPTER, versions["serving_version"])
     assert len(versions["data"]) >= 2 and versions["data"][-1]["version"] == 1  # its version 1: as loaded
     target = next(v["version"] for v in versions["data"] if not v["serving"])
@@ -131,7 +131,7 @@ def test_the_dashboard_has_a_row_per_adapter_and_rolls_back_the_one_chosen(open_
 
 
 def adapters_summary(server: ServerProcess) -> list[dict]:
-    response = httpx.get(server.base_url + "/v1/adapters/summary", timeout=10)
+    response = http_calls.get(server.base_url + "/v1/adapters/summary", timeout=10)
     assert response.status_code == 200, response.text
     return response.json()["data"]
 
@@ -159,7 +159,7 @@ def test_the_bar_chooses_who_answers_and_the_answer_names_its_adapter(open_page,
 
 
 def web_server_model(server: ServerProcess) -> str:
-    return httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return http_calls.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def test_regenerate_and_choose_makes_a_preference(open_page, web_server):
