@@ -1,7 +1,7 @@
 """``httpx.get`` / ``post`` / ``stream`` as the benchmarks and tests call the server they measure, with one TLS
-context for all of them: each call makes a new client, which otherwise loads the CA bundle again (25 ms of CPU on a
-Zen 4), and the waits and samplers that poll a server several times a second took that from the server itself (a
-profile of tests/server/test_online.py: 21 s of its client's 243 s).
+context for all of them: each call makes a new client, which otherwise loads the CA bundle again, and the waits and
+samplers that poll a server several times a second took that CPU from the server itself (docs/benchmarks.md, "A new
+HTTP client per call").
 
     from alchemist.bench import http_calls
     http_calls.get(url + "/health", timeout=1)

@@ -10,8 +10,8 @@ from unloaded engine steps measured here (``LLMEngine.probe``), so that the defa
 - TPOT = ``TPOT_MARGIN`` (1.10) x the median decode step of ``PROBE_BATCH`` (8) requests decoding together: serving
   at a modest load, 10% slower at most with training beside it (issue 42's goal for TPOT p50, training on vs off);
   under a load whose steps outgrow it, training may still add 10% of each step (``step_share``);
-- TTFT = ``TTFT_MARGIN`` (1.10) x the prefill of one full chunk (``max_num_batched_tokens`` tokens, the faster of
-  two) + the TPOT: a prompt of one chunk arriving during a step waits for that step, then runs alone.
+- TTFT = ``TTFT_MARGIN`` (1.10) x the prefill of one full chunk (``max_num_batched_tokens`` tokens, after the decode
+  steps) + the TPOT: a prompt of one chunk arriving during a step waits for that step, then runs alone.
 
 The probe takes about a second on the default model on a 2-core CPU; its steps also seed the engine's step cost
 estimate (``alchemist.engine.step_cost``).
@@ -80,7 +80,9 @@ def measure_unloaded(engine: LLMEngine) -> tuple[float, float]:
     full = [s for d, p, s in steps if p == 0 and d == batch][1:]  # a preemption (a small KV pool) shrinks a batch
     decode_s = statistics.median(full or decodes)
     chunk = min(c.max_num_batched_tokens, c.max_model_len - 1, c.num_kv_blocks * c.block_size)
-    prefill_s = min(_prefill_s(engine.probe(prompts(1, chunk), max_tokens=1)) for _ in range(2))
+    # One prefill: after the decode steps above it takes what a second one would (docs/benchmarks.md, "The start-up
+    # probe"), and the faster of two cost a chunk's prefill at every start.
+    prefill_s = _prefill_s(engine.probe(prompts(1, chunk), max_tokens=1))
     return decode_s, prefill_s
 
 
