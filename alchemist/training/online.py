@@ -255,7 +255,8 @@ class OnlineTrainer:
     def _round_slices(self) -> Generator[None, None, None]:
         """A round of the replicas in lockstep: a rollback if any of them was asked one or the leader found a
         regression (it watches for all: the replicas share the log and serve the same versions), else a batch if
-        any has one ready, each with its own (maybe none)."""
+        any has one ready, each with what it has queued (maybe none): a replica's entries younger than ``max_wait_s``
+        join the batch another replica's oldest made ready, as a single trainer's batch takes every entry queued."""
         assert self.lockstep is not None
         ready = self._batch_ready()
         regression = self.lineage.regression() if self.lockstep.leader else None
@@ -264,7 +265,7 @@ class OnlineTrainer:
         if rollback:
             yield from self._rollback_slices(regression)
         elif busy:
-            yield from self._train_slices(self.queue.head() if ready else [])
+            yield from self._train_slices(self.queue.head())
 
     def _rollback_slices(self, regression: Regression | None) -> Generator[None, None, None]:
         """A rollback in lockstep: the first rank's asked for (or, asked none, the leader's ``regression``), on
