@@ -10,8 +10,7 @@ HTTP client per call").
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
@@ -27,7 +26,5 @@ def post(url: str, **kwargs: Any) -> httpx.Response:
     return httpx.post(url, verify=TLS, **kwargs)
 
 
-@contextmanager
-def stream(method: str, url: str, **kwargs: Any) -> Iterator[httpx.Response]:
-    with httpx.stream(method, url, verify=TLS, **kwargs) as response:
-        yield response
+def stream(method: str, url: str, **kwargs: Any) -> AbstractContextManager[httpx.Response]:
+    return httpx.stream(method, url, verify=TLS, **kwargs)

@@ -35,9 +35,9 @@ def corrections(n: int = 4) -> list[tuple[list[int], list[int]]]:
 
 class Side:
     """One replica (``lockstep``) or the single process (None): its engine recording every prompt, its feedback
-    log, its checkpoints and its online trainer."""
+    log, its checkpoints and its online trainer (``loop``: ``tiny_loop_config``'s sections)."""
 
-    def __init__(self, tmp: Path, model_dir: Path, lockstep: Lockstep | None) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, lockstep: Lockstep | None, loop: dict) -> None:
         tmp.mkdir()
         model = build_model(model_dir, torch.float32)
         config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
@@ -46,7 +46,7 @@ class Side:
         self.checkpoints = AdapterCheckpoints(tmp / "adapters", keep=10)
         self.lockstep = lockstep
         self.trainer = OnlineTrainer.from_config(model, self.engine.tokenizer, self.engine, self.engine.store,
-                                                 self.feedback, self.checkpoints, tiny_loop_config(**CONFIG),
+                                                 self.feedback, self.checkpoints, tiny_loop_config(**loop),
                                                  lockstep)  # fmt: skip
 
     def log(self, pairs: list[tuple[int, tuple[list[int], list[int]]]]) -> None:
@@ -84,35 +84,41 @@ class Side:
         }
 
 
-def train(tmp: Path, model_dir: Path, pairs, first: int, lockstep: Lockstep | None) -> dict:
+def train(tmp: Path, model_dir: Path, pairs, first: int, lockstep: Lockstep | None, config: dict = CONFIG) -> dict:
     """Serves ``pairs``' prompts (recorded), logs a correction of each, and trains until none is queued: in rounds
     with the other replicas (``lockstep``) or alone. Returns what the trainer ended with."""
-    side = Side(tmp, model_dir, lockstep)
+    side = Side(tmp, model_dir, lockstep, config)
     side.log(list(enumerate(pairs, start=first)))
     side.train_until_idle()
     return side.seen()
 
 
-def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_dir: str) -> None:
+def _replica(rank: int, world_size: int, rendezvous: str, model_dir: Path, out_dir: str, shares: list[int],
+             config: dict) -> None:  # fmt: skip
     torch.set_num_threads(1)  # two replicas on a shared 2-core machine
     data_parallel = DataParallel.join(rendezvous, rank, world_size, torch.device("cpu"), timeout_s=60)
-    first = sum(SHARES[:rank])
-    pairs = corrections()[first : first + SHARES[rank]]
+    first = sum(shares[:rank])
+    pairs = corrections()[first : first + shares[rank]]
     tmp = Path(out_dir) / f"replica{rank}"
-    seen = train(tmp, model_dir, pairs, first, Lockstep(data_parallel, round_s=0.0))
+    seen = train(tmp, model_dir, pairs, first, Lockstep(data_parallel, round_s=0.0), config)
     torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def run_replicas(tmp_path: Path, model_dir: Path, shares: list[int], config: dict) -> list[dict]:
+    """Two replica processes in one gloo group, each with its ``shares`` of ``corrections()``: what each ended with."""
+    args = (len(shares), f"file://{tmp_path / 'rendezvous'}", Path(model_dir), str(tmp_path), shares, config)
+    context = mp.start_processes(_replica, args, nprocs=len(shares), join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=1.0):
+        assert time.monotonic() < deadline, "replicas still running"
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(len(shares))]
 
 
 def test_replicas_in_lockstep_train_what_one_process_trains(tmp_path, tiny_dirs):
     model_dir = tiny_dirs["llama-gqa-untied"]
     alone = train(tmp_path / "alone", model_dir, corrections(), 0, None)
-    args = (len(SHARES), f"file://{tmp_path / 'rendezvous'}", Path(model_dir), str(tmp_path))
-    context = mp.start_processes(_replica, args, nprocs=len(SHARES), join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=1.0):
-        assert time.monotonic() < deadline, "replicas still running"
-    replicas = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(len(SHARES))]
+    replicas = run_replicas(tmp_path, model_dir, SHARES, CONFIG)
     # One batch of three steps, published as one version, on every replica and in the single process alike.
     assert alone["version"] == alone["served"] == 3 and alone["checkpoints"] == [3]
     assert alone["states"] == [("trained", 3)] * 4
@@ -130,3 +136,14 @@ def test_replicas_in_lockstep_train_what_one_process_trains(tmp_path, tiny_dirs)
     assert alone["replayed"] == replicas[0]["replayed"] + replicas[1]["replayed"]
     # Each replica serves every correction of the batch to the requests like its prompt, the others' too.
     assert len(alone["taught"]) == 4 and all(seen["taught"] == alone["taught"] for seen in replicas)
+
+
+def test_a_replica_whose_entries_are_not_ready_yet_joins_the_batch_another_made_ready(tmp_path, tiny_dirs):
+    """Replica 0 holds a full batch (ready), replica 1 one correction that would wait an hour for more: the round
+    replica 0 starts trains both replicas' entries in one batch, as one trainer's batch takes every entry queued.
+    Before, replica 1 joined with none, and its correction waited (here: "still training after 20 rounds")."""
+    config = {"queue": {"batch_size": 2, "max_wait_s": 3600.0}, "stopping": {"epochs": 1}}
+    replicas = run_replicas(tmp_path, tiny_dirs["llama-gqa-untied"], [2, 1], config)
+    for rank, seen in enumerate(replicas):
+        assert (seen["version"], seen["served"]) == (1, 1), rank  # one batch of one step, on both
+        assert seen["states"] == [("trained", 1)] * [2, 1][rank]
