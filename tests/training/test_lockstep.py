@@ -37,7 +37,7 @@ class Side:
     """One replica (``lockstep``) or the single process (None): its engine recording every prompt, its feedback
     log, its checkpoints and its online trainer (``loop``: ``tiny_loop_config``'s sections)."""
 
-    def __init__(self, tmp: Path, model_dir: Path, lockstep: Lockstep | None, loop: dict) -> None:
+    def __init__(self, tmp: Path, model_dir: Path, lockstep: Lockstep | None, loop: dict = CONFIG) -> None:
         tmp.mkdir()
         model = build_model(model_dir, torch.float32)
         config = EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
