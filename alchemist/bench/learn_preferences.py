@@ -15,8 +15,17 @@ is queued:
 
 Every served answer, the held-out ones included, is offered to the trainer's anchors as the server offers every
 finished completion (those with feedback drop out). A row per round: entries, the sampled answers' median length,
-what training did (``TrainReport``), the held-out median and its fall from round 0. ``--seed`` picks other
-questions and samples (0: the results page's).
+what training did (``TrainReport``), the held-out median and its fall from round 0, and the held-out margin.
+
+The held-out margin (``HeldOutMargins``) is the preference's implicit reward on held-out pairs, as TRL's DPO and
+KTO trainers report it (``rewards/margins``, ``rewards/accuracies``): before training, two answers of the base model
+are sampled to each held-out question (``MARGIN_SAMPLES`` of them: two are mostly both cut at the limit), and the
+shortest and the longest of different lengths make a pair: the preferred one (the shorter) and the other (not
+offered to the anchors: a measurement, not traffic).
+After each round, r(y) = log p_served(y | x) - log p_base(y | x) for both, and the margin is r(preferred) - r(other):
+its mean (nats) and the share of pairs where it is positive. It moves with every promoted version, where the
+median, a count of greedy answers cut at the limit, moves only once a preference has tipped most of them
+(docs/benchmarks.md, "Thumbs and pairs"). ``--seed`` picks other questions and samples (0: the results page's).
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ from alchemist.bench.learn_rig import Answer, LearnRig, TrainReport
 from alchemist.bench.report import print_rows
 from alchemist.bench.sharegpt import sample_requests
 from alchemist.config import OnlineConfig
+from alchemist.training.recompute import sequence_logps_slices
+from alchemist.training.slices import run_to_end
 
 GOAL_FALL = 0.30  # the issue's: the held-out median greedy length falls by at least this
+MARGIN_SAMPLES = 4  # sampled answers to each held-out question, for the held-out margin's pair
 
 
 def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, feedback: str) -> list[dict]:
@@ -45,9 +57,10 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
         return statistics.median(len(a.output_ids) for a in rig.ask(held_out, tokens, anchor=True))
 
     before = held_out_median()
+    margins = HeldOutMargins(rig, held_out, tokens, sign, seed=7 + 100_000 * args.seed)
     rows = [{"part": feedback, "prefer": args.prefer, "round": 0, "entries": 0, "sampled_median": None,
              **TrainReport().row(),
-             "held_out_median": before, "fall": 0.0}]  # fmt: skip
+             "held_out_median": before, "fall": 0.0, **margins.row()}]  # fmt: skip
     for round_ in range(1, args.preference_rounds + 1):
         asked = training[(round_ - 1) * args.preference_prompts : round_ * args.preference_prompts]
         seed = 1000 * round_ + 100_000 * args.seed
@@ -64,11 +77,49 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
         median = held_out_median()
         rows.append({"part": feedback, "prefer": args.prefer, "round": round_, "entries": entries,
                      "sampled_median": statistics.median(len(a.output_ids) for a in sampled), **report.row(),
-                     "held_out_median": median, "fall": round(1 - median / before, 3)})  # fmt: skip
+                     "held_out_median": median, "fall": round(1 - median / before, 3), **margins.row()})  # fmt: skip
         print_rows(rows[-1:], True, sys.stderr)
     if args.prefer == "shorter":  # the control's goal is no fall: read from its rows
         rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
     return rows
+
+
+class HeldOutMargins:
+    """The preference's implicit reward on held-out pairs (the module's "held-out margin"): ``row()`` measures it
+    under the adapter serving now."""
+
+    def __init__(self, rig: LearnRig, questions: list[str], tokens: int, sign: int, seed: int) -> None:
+        samples = [rig.ask(questions, tokens, temperature=1.0, seed=seed + 500 * k) for k in range(MARGIN_SAMPLES)]
+        self.pairs = []
+        for answers in zip(*samples, strict=True):
+            ends = sorted(answers, key=lambda a: sign * len(a.output_ids))
+            if len(ends[0].output_ids) != len(ends[-1].output_ids):
+                self.pairs.append((ends[0], ends[-1]))
+        self.rig = rig
+        self.base = self._logps(None)
+
+    def _logps(self, adapter) -> list[float]:
+        """log p(answer | question) of each pair's preferred answer, then its other's, as served to a question
+        nobody corrected (the corrections' ranks do not act: ``in_scope`` False)."""
+        answers = [(a.prompt_ids, a.output_ids) for pair in self.pairs for a in pair]
+        return run_to_end(sequence_logps_slices(self.rig.loaded.model, adapter, answers, in_scope=False))
+
+    def row(self) -> dict:
+        """``held_out_pairs``; ``held_out_margin``: the mean of r(preferred) - r(other), nats;
+        ``held_out_accuracy``: the share of pairs where it is positive. The trainer's adapter is the serving version's
+        between rounds (a version the gate refused gives way to the one serving)."""
+        served = self._logps(self.rig.trainer.adapter)
+        rewards = [s - b for s, b in zip(served, self.base, strict=True)]
+        margins = [rewards[i] - rewards[i + 1] for i in range(0, len(rewards), 2)]
+        if not margins:
+            return {"held_out_pairs": 0, "held_out_margin": None, "held_out_accuracy": None}
+        return {"held_out_pairs": len(margins), "held_out_margin": round(statistics.fmean(margins), 3),
+                "held_out_accuracy": round(sum(m > 0 for m in margins) / len(margins), 3)}  # fmt: skip
+
+
+def ordered(a: Answer, b: Answer, sign: int) -> tuple[Answer, Answer]:
+    """(preferred, other): the one of lower ``sign`` x length first."""
+    return (a, b) if sign * len(a.output_ids) < sign * len(b.output_ids) else (b, a)
 
 
 def thumbs_for_less(rig: LearnRig, answers: list[Answer], sign: int) -> int:
@@ -86,7 +137,7 @@ def prefer_less(rig: LearnRig, first: list[Answer], second: list[Answer], sign: 
     pairs = 0
     for a, b in zip(first, second, strict=True):
         if len(a.output_ids) != len(b.output_ids):
-            rig.prefer(*((a, b) if sign * len(a.output_ids) < sign * len(b.output_ids) else (b, a)))
+            rig.prefer(*ordered(a, b, sign))
             pairs += 1
     return pairs
 

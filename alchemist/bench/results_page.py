@@ -221,13 +221,22 @@ def learn_block(meta: dict, folder: Path) -> str:
         rounds = [(label, r) for label, file in meta["preferences"].items() for r in read_rows(folder / file)]
         blocks.append(table(
             ["feedback", "round", "entries", "sampled median", "versions promoted / blocked", "steps", "quarantined",
-             "train s", "held-out median", "fall", "goal"],
+             "train s", "held-out median", "fall", "goal", "held-out margin, nats (pairs it favours)"],
             [[label, r["round"], r["entries"], "-" if r["sampled_median"] is None else r["sampled_median"],
               f"{r['promoted']} / {r['blocked']}", r["steps"], r["quarantined"], f1(r["train_s"]),
               r["held_out_median"], f"{r['fall']:.0%}",
-              f">= 30%: {yes[r['goal_fall']]}" if "goal_fall" in r else ""] for label, r in rounds],
+              f">= 30%: {yes[r['goal_fall']]}" if "goal_fall" in r else "", margin(r)] for label, r in rounds],
         ))  # fmt: skip
     return "\n".join(blocks)
+
+
+def margin(row: dict) -> str:
+    """A preference round's held-out margin (``alchemist.bench.learn_preferences.HeldOutMargins``): the mean, and
+    how many of the pairs it favours; "-" for rows measured before it existed or without pairs."""
+    if row.get("held_out_margin") is None:
+        return "-"
+    ahead = round(row["held_out_accuracy"] * row["held_out_pairs"])
+    return f"{row['held_out_margin']:+.2f} ({ahead} of {row['held_out_pairs']})"
 
 
 def soak_block(meta: dict, folder: Path) -> str:
