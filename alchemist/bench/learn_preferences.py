@@ -18,14 +18,14 @@ finished completion (those with feedback drop out). A row per round: entries, th
 what training did (``TrainReport``), the held-out median and its fall from round 0, and the held-out margin.
 
 The held-out margin (``HeldOutMargins``) is the preference's implicit reward on held-out pairs, as TRL's DPO and
-KTO trainers report it (``rewards/margins``, ``rewards/accuracies``): before training, two answers of the base model
-are sampled to each held-out question (``MARGIN_SAMPLES`` of them: two are mostly both cut at the limit), and the
-shortest and the longest of different lengths make a pair: the preferred one (the shorter) and the other (not
-offered to the anchors: a measurement, not traffic).
-After each round, r(y) = log p_served(y | x) - log p_base(y | x) for both, and the margin is r(preferred) - r(other):
-its mean (nats) and the share of pairs where it is positive. It moves with every promoted version, where the
-median, a count of greedy answers cut at the limit, moves only once a preference has tipped most of them
-(docs/benchmarks.md, "Thumbs and pairs"). ``--seed`` picks other questions and samples (0: the results page's).
+KTO trainers report it (``rewards/margins``, ``rewards/accuracies``): before training, ``MARGIN_SAMPLES`` answers of
+the base model are sampled to each held-out question (of two, both are mostly cut at the limit), and the shortest
+and the longest of different lengths make a pair: the preferred one (the shorter) and the other (not offered to the
+anchors: a measurement, not traffic). After each round, r(y) = log p_served(y | x) - log p_base(y | x) for both,
+and the margin is r(preferred) - r(other): its mean (nats) and the share of pairs where it is positive. It moves
+with every promoted version, where the median, a count of greedy answers cut at the limit, moves only once a
+preference has tipped most of them (docs/benchmarks.md, "Thumbs and pairs"). ``--seed`` picks other questions and
+samples (0: the results page's).
 """
 
 from __future__ import annotations
