@@ -27,7 +27,8 @@ import pytest
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json", "--held-out", "24"]
-CMD += ["--preference-tokens", "64", "--preference-prompts", "32"]
+PROMPTS = 32  # a round's questions
+CMD += ["--preference-tokens", "64", "--preference-prompts", str(PROMPTS)]
 
 
 @pytest.fixture(scope="module", params=["thumbs", "pairs"])
@@ -48,5 +49,5 @@ def test_a_preference_shown_only_by_feedback_moves_the_served_model(rounds):
     assert all(r["entries"] > 0 and r["steps"] >= 1 for r in trained)
     assert sum(r["promoted"] for r in trained) >= 1  # what serves went through the evaluation gate
     if feedback == "thumbs":
-        assert all(r["entries"] == 32 for r in trained)  # every answer rated, up or down
+        assert all(r["entries"] == PROMPTS for r in trained)  # every answer rated, up or down
     print(f"{feedback}: held-out median {first['held_out_median']} -> {last['held_out_median']} (the benchmark's goal)")
