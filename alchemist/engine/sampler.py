@@ -2,8 +2,10 @@
 
 Rows are processed together where it matters (argmax, temperature, the top-k/top-p masks, log-softmax); only
 the random draw is per row, because each request owns a ``torch.Generator``: a seeded request then draws the same
-numbers whatever else is in the batch. The draw is the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``),
-which samples exactly from ``p`` and uses one fresh vector of draws per token.
+numbers whatever else is in the batch. The draw is the inverse CDF: one uniform number per row, found in the
+row's cumulative probabilities (``searchsorted``). The exponential race (``argmax(p / E)``, ``E ~ Exp(1)``) it
+replaced drew a number per vocabulary entry and made a sampled decode step a third slower than a greedy one
+(docs/benchmarks.md, "Sampling a token").
 
 Greedy rows take ``argmax`` of the raw logits, bit for bit. Logprobs are of the model's own distribution
 (log-softmax of the raw logits, before temperature and filtering), as vLLM reports them by default.
@@ -45,16 +47,18 @@ class Sampler:
         """(R, vocab) logits of random rows -> (R,) sampled ids."""
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
+        logits = logits / temperature[:, None]  # a new tensor: the steps below work in place
         if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
             logits = _filter_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        out = torch.empty(len(params), dtype=torch.long, device=device)
-        for i, g in enumerate(generators):
-            assert g is not None, "a sampling request always has a generator"
-            race = torch.empty_like(probs[i]).exponential_(generator=g)
-            out[i] = (probs[i] / race).argmax()
-        return out
+        # exp(l - max), summed, in place (a new vocabulary-wide tensor per op doubled the draw's time): softmax's
+        # normalizing division is folded into u x total below.
+        cumulative = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        torch.cumsum(cumulative, dim=-1, out=cumulative)
+        assert all(g is not None for g in generators), "a sampling request always has a generator"
+        uniform = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])
+        # The first token whose cumulative probability exceeds u x total: never one of zero probability (its
+        # cumulative equals the one before), and u < 1 keeps it in the vocabulary.
+        return torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True).squeeze(1)
 
     def _logprobs(
         self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
