@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
             f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average at start "
             f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     print(note, file=sys.stderr)
-    rows = []
+    rows, held_out_base = [], None  # thumbs and pairs measure the base model's held-out answers once
     for part in PARTS:  # this order
         if part not in args.parts:
             continue
@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
 
                 rows += throughput(args, config)
             else:
-                rows += preferences(args, config, Path(workdir), part)
+                part_rows, held_out_base = preferences(args, config, Path(workdir), part, held_out_base)
+                rows += part_rows
     for part in dict.fromkeys(r["part"] for r in rows):  # a table each: their columns differ
         print_rows([r for r in rows if r["part"] == part], args.json)
         if not args.json:

@@ -31,6 +31,7 @@ samples (0: the results page's).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -46,8 +47,12 @@ GOAL_FALL = 0.30  # the issue's: the held-out median greedy length falls by at l
 MARGIN_SAMPLES = 4  # sampled answers to each held-out question, for the held-out margin's pair
 
 
-def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, feedback: str) -> list[dict]:
-    """``feedback``: "thumbs" or "pairs". Rows as the module says; the last one's ``goal_fall`` says if it held."""
+def preferences(
+    args: argparse.Namespace, config: OnlineConfig, workdir: Path, feedback: str, base: HeldOutBase | None = None
+) -> tuple[list[dict], HeldOutBase]:
+    """``feedback``: "thumbs" or "pairs". Rows as the module says; the last one's ``goal_fall`` says if it held.
+    ``base``: what an earlier part in this process measured of the base model (None: measured here); returned for
+    the next."""
     rig = LearnRig(args.model, args.dtype, args.device, config, workdir)
     held_out, training = questions(rig.tokenizer, args.held_out, args.preference_rounds * args.preference_prompts,
                                    seed=31 + args.seed)  # fmt: skip
@@ -56,8 +61,10 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
     def held_out_median() -> float:
         return statistics.median(len(a.output_ids) for a in rig.ask(held_out, tokens, anchor=True))
 
-    before = held_out_median()
-    margins = HeldOutMargins(rig, held_out, tokens, sign, seed=7 + 100_000 * args.seed)
+    if base is None:
+        base = HeldOutBase(rig, held_out, tokens, sign, seed=7 + 100_000 * args.seed)
+    margins = base.margins_for(rig)
+    before = statistics.median(len(a.output_ids) for a in base.greedy)
     rows = [{"part": feedback, "prefer": args.prefer, "round": 0, "entries": 0, "sampled_median": None,
              **TrainReport().row(),
              "held_out_median": before, "fall": 0.0, **margins.row()}]  # fmt: skip
@@ -81,7 +88,25 @@ def preferences(args: argparse.Namespace, config: OnlineConfig, workdir: Path, f
         print_rows(rows[-1:], True, sys.stderr)
     if args.prefer == "shorter":  # the control's goal is no fall: read from its rows
         rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
-    return rows
+    return rows, base
+
+
+class HeldOutBase:
+    """What the base model answers to the held-out questions before any training, the same for every part: its
+    greedy answers (the median's round 0, and anchors) and the held-out margin's pairs with their base
+    log-probabilities. Measured once per process; a later part's rig is given the greedy answers as its anchors, as
+    if it had asked them first itself, and its margins are measured with its own adapter."""
+
+    def __init__(self, rig: LearnRig, questions: list[str], tokens: int, sign: int, seed: int) -> None:
+        self.greedy = rig.ask(questions, tokens, anchor=True)
+        self.margins = HeldOutMargins(rig, questions, tokens, sign, seed)
+        self.rig = rig
+
+    def margins_for(self, rig: LearnRig) -> HeldOutMargins:
+        if rig is not self.rig:  # the earlier part's rig (its model, engine, cache) is not kept alive
+            rig.offer(self.greedy)
+            self.rig, self.margins = rig, self.margins.measured_by(rig)
+        return self.margins
 
 
 class HeldOutMargins:
@@ -97,6 +122,12 @@ class HeldOutMargins:
                 self.pairs.append((ends[0], ends[-1]))
         self.rig = rig
         self.base = self._logps(None)
+
+    def measured_by(self, rig: LearnRig) -> HeldOutMargins:
+        """The same pairs and base log-probabilities, measured under ``rig``'s adapter (the model is the same)."""
+        margins = copy.copy(self)
+        margins.rig = rig
+        return margins
 
     def _logps(self, adapter) -> list[float]:
         """log p(answer | question) of each pair's preferred answer, then its other's, as served to a question

@@ -3,6 +3,7 @@
     rig = LearnRig(None, "auto", "cpu", OnlineConfig(), workdir)
     answers = rig.ask(["What is the capital of Durnholt?"], max_tokens=24)   # greedy and recorded, as served
     rig.ask(others, 24, anchor=True)          # traffic nobody gives feedback on: the trainer's anchors
+    rig.offer(answers)                        # another rig's answers, as anchors
     rig.correct(answers[0], "The capital of Durnholt is Saltreach.")         # POST /v1/feedback's log entry
     rig.rate(answer, -1); rig.prefer(chosen, rejected)                       # thumbs and pairs, the same
     report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
@@ -101,6 +102,12 @@ class LearnRig:
                 self.trainer.anchors.offer(Anchor(rid, prompt, output))
             answers.append(Answer(rid, prompt, output, o.adapter_version, self.tokenizer.decode(output)))
         return answers
+
+    def offer(self, answers: list[Answer]) -> None:
+        """``answers`` another rig of the same model served, offered to the anchors as if this one had served them
+        (under its own next response ids, as ``ask`` names them)."""
+        for a in answers:
+            self.trainer.anchors.offer(Anchor(f"bench-{next(self._ids)}", a.prompt_ids, a.output_ids))
 
     def correct(self, answer: Answer, correction: str) -> None:
         """The log entry a correction through POST /v1/feedback makes."""

@@ -1,5 +1,5 @@
 """Must show (issue 24): a preference people show only with thumbs (KTO), or only with preference pairs (DPO),
-moves the served model. `alchemist bench learn --parts thumbs` and `--parts pairs` in a short form (issue 41): the
+moves the served model. `alchemist bench learn --parts thumbs pairs` in a short form (issue 41): the
 server's parts in process (the real default model in the serve dtype, its engine recording prompts, the SQLite
 feedback log, the online trainer at ``OnlineConfig()`` with its evaluation gate), no training flag changed; only the
 workload is smaller. The preference: shorter answers. Two rounds of 32 ShareGPT questions answered (up to 64 tokens)
@@ -29,14 +29,21 @@ pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json", "--held-out", "24"]
 PROMPTS = 32  # a round's questions
 CMD += ["--preference-tokens", "64", "--preference-prompts", str(PROMPTS)]
+FEEDBACK = ("thumbs", "pairs")
 
 
-@pytest.fixture(scope="module", params=["thumbs", "pairs"])
-def rounds(request) -> tuple[str, list[dict]]:
-    feedback = request.param
-    done = subprocess.run([*CMD, "--parts", feedback], capture_output=True, text=True, timeout=1800)
+@pytest.fixture(scope="module")
+def parts() -> dict[str, list[dict]]:
+    """Both parts in one process: the base model's held-out answers measured once (``HeldOutBase``)."""
+    done = subprocess.run([*CMD, "--parts", *FEEDBACK], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr
-    return feedback, [json.loads(line) for line in done.stdout.splitlines()]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    return {feedback: [r for r in rows if r["part"] == feedback] for feedback in FEEDBACK}
+
+
+@pytest.fixture(params=FEEDBACK)
+def rounds(request, parts) -> tuple[str, list[dict]]:
+    return request.param, parts[request.param]
 
 
 def test_a_preference_shown_only_by_feedback_moves_the_served_model(rounds):
