@@ -28,12 +28,18 @@ The measures, each against a reference computed without training:
 
 Cost: forwards without gradient of about 1,000 tokens (held-out 8 x ~55, canaries 16 x ~30, taught facts up to 16
 x ~40, the latter twice), in slices of one layer of ``group_size`` sequences each (``sequence_logps_slices``), so
-serving waits for one slice at most. The base model's side is computed once per process.
+serving waits for one slice at most. The base model's side is computed once, and kept in the model cache
+($ALCHEMIST_CACHE, else ~/.cache/alchemist) under a key of all it depends on, so that a server's later starts, and
+other servers of the same model, read it instead of computing it at each start of a server that trains
+(docs/benchmarks.md, "The suite on two workers").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -43,12 +49,16 @@ from typing import Any, TypeVar
 import torch
 
 from alchemist.config.training import GateConfig
+from alchemist.model.digest import weights_digest
+from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Adapter, Llama
 from alchemist.model.tokenizer import Tokenizer
 from alchemist.training.losses import first_token_margin, sequence_logp
 from alchemist.training.recompute import response_values_slices, sequence_logps_slices
 
 HELDOUT_FILE = Path(__file__).with_name("heldout_sharegpt.json")
+FORMAT = 1  # part of the base values' cache key: a change to how they are computed bumps it
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # A canary answer's first token this many nats likelier than any other under the base model (20 times) must stay the
 # greedy choice: six of the twelve, 3.3-6.4 nats; France's (4.7) flipped to Berlin 1.7-1.9 nats into a falsehood, the
@@ -107,9 +117,11 @@ Pair = tuple[list[int], list[int]]  # (prompt ids, response ids)
 
 class EvaluationGate:
     def __init__(self, model: Llama, tokenizer: Tokenizer, bounds: GateConfig, group_size: int = 4,
-                 reference: Adapter | None = None) -> None:  # fmt: skip
+                 reference: Adapter | None = None, cache_dir: Path | None = None) -> None:  # fmt: skip
         """``reference``: what a candidate is held to, over the base model (None: the base model alone; a named
-        adapter as loaded, whose own difference from the base model is no regression of its trainer's)."""
+        adapter as loaded, whose own difference from the base model is no regression of its trainer's).
+        ``cache_dir``: where the base model's values are kept between processes (None: the model cache); a
+        reference adapter's are computed in each process."""
         self.model = model
         self.reference = reference
         self.bounds = bounds
@@ -121,6 +133,7 @@ class EvaluationGate:
         self.canaries = [(question, answer, canary_pair(tokenizer, question, start, answer))
                          for question, start, answer in CANARIES]  # fmt: skip
         self._base: Values | None = None
+        self.cache_dir = cache_dir
         self.seconds = 0.0  # time in this gate's slices so far (all evaluations)
 
     def taught_slices(self, adapter: Adapter | None, facts: list[Pair]) -> Generator[None, None, list[float]]:
@@ -165,8 +178,20 @@ class EvaluationGate:
 
     def _base_values_slices(self) -> Generator[None, None, Values]:
         if self._base is None:
-            self._base = yield from self._values_slices(self.reference)
+            path = self._base_path() if self.reference is None else None
+            self._base = _read_values(path) if path is not None else None
+            if self._base is None:
+                self._base = yield from self._values_slices(self.reference)
+                if path is not None:
+                    _write_values(path, self._base)
         return self._base
+
+    def _base_path(self) -> Path:
+        """The base values' file, named by a digest of what they depend on: the model's weights and dtype, the
+        held-out replies and canaries as token ids, the group size (it batches the forwards), and FORMAT."""
+        digest = hashlib.sha256(f"{FORMAT}|{weights_digest(self.model)}|{self.group_size}".encode())
+        digest.update(json.dumps([self.heldout, self.end_of_turn, [pair for _, _, pair in self.canaries]]).encode())
+        return (self.cache_dir or default_cache_dir()) / f"gate-base-{digest.hexdigest()[:32]}.json"
 
     def _values_slices(self, adapter: Adapter | None) -> Generator[None, None, Values]:
         """The held-out NLL per token; per canary its answer's log-probability and its first token's margin over
@@ -191,6 +216,29 @@ class EvaluationGate:
                 return done.value
             self.seconds += time.perf_counter() - t0
             yield
+
+
+def _read_values(path: Path) -> Values | None:
+    """The base values an earlier process left at ``path``; None where there are none (or they are unreadable)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return float(data["nll"]), [float(x) for x in data["canaries"]], [float(x) for x in data["margins"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a torn or foreign file: computed again, replaced
+        logger.warning("evaluation gate: %s unreadable (%s); computing the base values again", path, e)
+        return None
+
+
+def _write_values(path: Path, values: Values) -> None:
+    nll, canaries, margins = values
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({"nll": nll, "canaries": canaries, "margins": margins}))
+        os.replace(partial, path)  # whole or absent: a concurrent reader never sees half a file
+    except OSError as e:  # a read-only home: computed in every process, as before
+        logger.warning("evaluation gate: base values not cached (%s)", e)
 
 
 def canary_pair(tokenizer: Tokenizer, question: str, start: str, answer: str) -> Pair:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from alchemist.model.digest import weights_digest
 from alchemist.model.gguf import default_cache_dir
 from alchemist.model.llama import Llama
 from alchemist.model.lora import LoraAdapter
@@ -167,14 +168,11 @@ class ProtectedSubspace:
 
 
 def _cache_key(model: Llama, adapter: LoraAdapter, energy: float, chats: bytes) -> str:
-    """A digest of what the subspace depends on: every weight of the model (its bytes, on the CPU), its dtype, the
-    adapter's seams and their widths, the energy, the chats, and FORMAT."""
-    digest = hashlib.sha256(f"{FORMAT}|{energy!r}|{model.dtype}".encode())
+    """A digest of what the subspace depends on: the model's weights and dtype (``weights_digest``), the adapter's
+    seams and their widths, the energy, the chats, and FORMAT."""
+    digest = hashlib.sha256(f"{FORMAT}|{energy!r}|{weights_digest(model)}".encode())
     digest.update(json.dumps(sorted((k, list(a.shape)) for k, a in adapter.A.items())).encode())
     digest.update(chats)
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())  # buffer: no copy
     return digest.hexdigest()[:32]
 
 

@@ -5,6 +5,7 @@ before the answer lost the per-canary bound's nats (in CI a version that stopped
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import torch
@@ -61,3 +62,29 @@ def test_a_named_adapter_is_held_to_itself_as_loaded_not_to_the_base_model(smoll
     to_itself = run_to_end(EvaluationGate(model, tok, GateConfig(), reference=loaded).evaluate_slices(loaded, [], []))
     assert to_itself.promoted and to_itself.heldout_ppl_rise == 0.0, to_itself.as_dict()
     assert set(to_itself.canary_drops.values()) == {0.0}
+
+
+def test_the_base_values_are_kept_between_gates_under_a_key_of_what_they_depend_on(smollm2, tmp_path):
+    """A gate computes the base model's values once and leaves them in its cache directory; another gate of the same
+    model (a later start) reads them without a forward; a torn file is computed again and replaced; another group
+    size is another key."""
+    model, tok = smollm2.model, smollm2.tokenizer
+
+    def base(gate: EvaluationGate) -> tuple[tuple, int]:
+        slices, steps = gate._base_values_slices(), 0
+        while True:
+            try:
+                next(slices)
+                steps += 1
+            except StopIteration as done:
+                return done.value, steps
+
+    computed, steps = base(EvaluationGate(model, tok, GateConfig(), cache_dir=tmp_path))
+    assert steps > 0 and len(computed[1]) == len(computed[2]) > 0
+    (path,) = tmp_path.glob("gate-base-*.json")
+    assert base(EvaluationGate(model, tok, GateConfig(), cache_dir=tmp_path)) == (computed, 0)
+    path.write_text('{"nll": 1.0, "canar')
+    again, steps = base(EvaluationGate(model, tok, GateConfig(), cache_dir=tmp_path))
+    assert again == computed and steps > 0 and json.loads(path.read_text())["nll"] == computed[0]
+    _, steps = base(EvaluationGate(model, tok, GateConfig(), group_size=2, cache_dir=tmp_path))
+    assert steps > 0 and len(list(tmp_path.glob("gate-base-*.json"))) == 2
