@@ -169,9 +169,10 @@ class ProtectedSubspace:
 
 def _cache_key(model: Llama, adapter: LoraAdapter, energy: float, chats: bytes) -> str:
     """A digest of what the subspace depends on: the model's weights and dtype (``weights_digest``), the adapter's
-    seams and their widths, the energy, the chats, and FORMAT."""
+    seams and their input widths (an adapter of another rank has the same subspace), the energy, the chats, and
+    FORMAT."""
     digest = hashlib.sha256(f"{FORMAT}|{energy!r}|{weights_digest(model)}".encode())
-    digest.update(json.dumps(sorted((k, list(a.shape)) for k, a in adapter.A.items())).encode())
+    digest.update(json.dumps(sorted((k, a.shape[1]) for k, a in adapter.A.items())).encode())  # not the rank
     digest.update(chats)
     return digest.hexdigest()[:32]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from alchemist.model.loader import build_model
-from alchemist.model.lora import LoraAdapter
+from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.protected import ORDINARY_FILE, ProtectedSubspace, principal_directions
 from alchemist.training.recompute import responses_hidden_slices
 from alchemist.training.slices import run_to_end
@@ -172,6 +172,8 @@ def test_the_subspace_is_cached_under_a_key_of_all_it_depends_on(tiny_dirs, tmp_
     (cached_file,) = tmp_path.glob("protected-*.safetensors")
     loaded, no_work = load(0.9)
     assert work > 0 and no_work == 0  # the second start loads: not a slice of work
+    other_rank = LoraAdapter(model.config, LoraConfig(r=4), seed=1)  # the same seams: the same subspace
+    assert _run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), other_rank, 0.9, tmp_path))[1] == 0
     reference = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9))
     for subspace in (computed, loaded):
         assert subspace.free == reference.free and set(subspace.bases) == set(reference.bases)
