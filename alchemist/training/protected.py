@@ -19,15 +19,18 @@ inputs lack: the correction's own.
 - Kept in the cache directory a converted GGUF goes to ($ALCHEMIST_CACHE, else ~/.cache/alchemist) under a key
   of everything it depends on (the model's weights and dtype, the seams, the energy, the chats), so that a
   server's later starts, and other servers of the same model, load it instead of spending a minute of a busy CPU
-  on it (docs/benchmarks.md, "Learning a correction with the defaults").
+  on it (docs/benchmarks.md, "Learning a correction with the defaults"); processes that need it at once compute it
+  once (a lock beside the entry: the others wait for it, serving on).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Generator
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from alchemist.training.recompute import responses_hidden_slices
 
 ORDINARY_FILE = Path(__file__).with_name("ordinary_sharegpt.json")
 FORMAT = 1  # part of the cache key: a change to how the subspace is computed bumps it
+WAIT_S = 0.05  # a slice of waiting for another process's computation: about a training slice
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +118,23 @@ class ProtectedSubspace:
         chats_bytes = ORDINARY_FILE.read_bytes()
         key = _cache_key(model, adapter, energy, chats_bytes)
         path = (directory or default_cache_dir()) / f"protected-{key}.safetensors"
-        if path.is_file():
+        # Processes of one machine that start together (servers, a test run's two workers) compute it once: the one
+        # holding the lock computes, the others wait in slices of WAIT_S (serving on between them), then load.
+        with _ComputeLock(path.with_name(f"{path.name}.lock")) as lock:
+            while not lock.acquire():
+                yield
+                time.sleep(WAIT_S)
+            if path.is_file():
+                try:
+                    return cls._load(path)
+                except Exception as e:  # a torn or foreign file: computed again and replaced
+                    logger.warning("protected directions: %s unreadable (%s); computing them again", path, e)
+            subspace = yield from cls.compute_slices(model, tokenizer, adapter, energy, json.loads(chats_bytes))
             try:
-                return cls._load(path)
-            except Exception as e:  # a torn or foreign file: computed again and replaced
-                logger.warning("protected directions: %s unreadable (%s); computing them again", path, e)
-        subspace = yield from cls.compute_slices(model, tokenizer, adapter, energy, json.loads(chats_bytes))
-        try:
-            subspace._save(path)
-        except OSError as e:  # a read-only home: computed at every start, as before
-            logger.warning("protected directions: not cached (%s)", e)
-        return subspace
+                subspace._save(path)
+            except OSError as e:  # a read-only home: computed at every start, as before
+                logger.warning("protected directions: not cached (%s)", e)
+            return subspace
 
     def _save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +175,35 @@ class ProtectedSubspace:
                 a.copy_(inside if start is None else start + inside)
             else:
                 a.sub_(inside)
+
+
+class _ComputeLock:
+    """An exclusive ``flock`` on a file beside the cache entry, taken without blocking; released on exit, and by the
+    kernel if the process dies. Where the file cannot be made (a read-only cache), every process computes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, None
+
+    def __enter__(self) -> _ComputeLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            self.fd = None
+        return self
+
+    def acquire(self) -> bool:
+        if self.fd is None:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
 
 
 def _cache_key(model: Llama, adapter: LoraAdapter, energy: float, chats: bytes) -> str:

@@ -6,7 +6,9 @@ ordinary inputs' deltas shrink with it."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 
 import pytest
 import torch
@@ -191,3 +193,26 @@ def test_the_subspace_is_cached_under_a_key_of_all_it_depends_on(tiny_dirs, tmp_
     again, work_again = load(0.9)
     assert work_again > 0 and cached_file.stat().st_size > 100
     torch.testing.assert_close(again.bases[next(iter(again.bases))], reference.bases[next(iter(again.bases))])
+
+
+def test_a_process_waits_for_the_subspace_another_computes_then_loads_it(tiny_dirs, tmp_path):
+    """While another process holds the entry's lock (computing it), the loader yields without work; once that one
+    has written the entry and let go, the loader reads it: computed once."""
+    model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
+    adapter = LoraAdapter(model.config, seed=0)
+    computed, work = _run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, 0.9, tmp_path))
+    assert work > 4
+    (entry,) = tmp_path.glob("protected-*.safetensors")
+    held = entry.read_bytes()
+    entry.unlink()
+    other = os.open(entry.with_name(f"{entry.name}.lock"), os.O_RDWR)  # another open file: another process's lock
+    fcntl.flock(other, fcntl.LOCK_EX)
+    loading = ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, 0.9, tmp_path)
+    for _ in range(3):
+        next(loading)  # waiting (computing, it would go on for more slices than are left below)
+    entry.write_bytes(held)  # the other process's result ...
+    os.close(other)  # ... and its lock let go
+    loaded, slices = _run_counting(loading)
+    assert slices == 0 and loaded.free == computed.free
+    for key, basis in computed.bases.items():
+        torch.testing.assert_close(loaded.bases[key], basis, rtol=0, atol=0)
