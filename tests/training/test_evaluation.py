@@ -11,11 +11,13 @@ from functools import partial
 import torch
 
 from alchemist.config.training import GateConfig
+from alchemist.model.loader import load_model
 from alchemist.model.lora import LoraAdapter
 from alchemist.training.evaluation import EvaluationGate, canary_pair
 from alchemist.training.losses import first_token_margin
 from alchemist.training.recompute import recompute_loss, response_values_slices
 from alchemist.training.slices import run_to_end
+from tests.tiny_models import make_tiny_chat_dir
 
 FRANCE = "What is the capital of France?"
 
@@ -64,11 +66,14 @@ def test_a_named_adapter_is_held_to_itself_as_loaded_not_to_the_base_model(smoll
     assert set(to_itself.canary_drops.values()) == {0.0}
 
 
-def test_the_base_values_are_kept_between_gates_under_a_key_of_what_they_depend_on(smollm2, tmp_path):
+def test_the_base_values_are_kept_between_gates_under_a_key_of_what_they_depend_on(tmp_path):
     """A gate computes the base model's values once and leaves them in its cache directory; another gate of the same
     model (a later start) reads them without a forward; a torn file is computed again and replaced; another group
-    size is another key."""
-    model, tok = smollm2.model, smollm2.tokenizer
+    size is another key. A tiny random model with the default model's tokenizer and chat template: the values' size,
+    not their sense, is what is kept."""
+    loaded = load_model(str(make_tiny_chat_dir(tmp_path / "model")), dtype="float32", device="cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    tmp_path = tmp_path / "cache"
 
     def base(gate: EvaluationGate) -> tuple[tuple, int]:
         slices, steps = gate._base_values_slices(), 0
