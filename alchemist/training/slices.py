@@ -25,3 +25,14 @@ def run_to_end(slices: Generator[None, None, T]) -> T:
             next(slices)
         except StopIteration as done:
             return done.value
+
+
+def run_counting(slices: Generator[None, None, T]) -> tuple[T, int]:
+    """``run_to_end``, and how many times it paused: where serving could have run (0: no work was sliced)."""
+    pauses = 0
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value, pauses
+        pauses += 1

@@ -16,7 +16,7 @@ from alchemist.model.lora import LoraAdapter
 from alchemist.training.evaluation import EvaluationGate, canary_pair
 from alchemist.training.losses import first_token_margin
 from alchemist.training.recompute import recompute_loss, response_values_slices
-from alchemist.training.slices import run_to_end
+from alchemist.training.slices import run_counting, run_to_end
 from tests.tiny_models import make_tiny_chat_dir
 
 FRANCE = "What is the capital of France?"
@@ -76,13 +76,7 @@ def test_the_base_values_are_kept_between_gates_under_a_key_of_what_they_depend_
     tmp_path = tmp_path / "cache"
 
     def base(gate: EvaluationGate) -> tuple[tuple, int]:
-        slices, steps = gate._base_values_slices(), 0
-        while True:
-            try:
-                next(slices)
-                steps += 1
-            except StopIteration as done:
-                return done.value, steps
+        return run_counting(gate._base_values_slices())
 
     computed, steps = base(EvaluationGate(model, tok, GateConfig(), cache_dir=tmp_path))
     assert steps > 0 and len(computed[1]) == len(computed[2]) > 0

@@ -17,7 +17,7 @@ from alchemist.model.loader import build_model
 from alchemist.model.lora import LoraAdapter, LoraConfig
 from alchemist.training.protected import ORDINARY_FILE, ProtectedSubspace, principal_directions
 from alchemist.training.recompute import responses_hidden_slices
-from alchemist.training.slices import run_to_end
+from alchemist.training.slices import run_counting, run_to_end
 from tests.training.test_online import drain, online, serve_and_log
 
 
@@ -153,21 +153,10 @@ def _delta_norm(adapter: LoraAdapter, inputs: dict[tuple[int, str], torch.Tensor
         return sum(float(adapter.delta(layer, name, x).norm()) for (layer, name), x in inputs.items())
 
 
-def _run_counting(slices):
-    """(the generator's result, how many slices it took)."""
-    count = 0
-    try:
-        while True:
-            next(slices)
-            count += 1
-    except StopIteration as done:
-        return done.value, count
-
-
 def test_the_subspace_is_cached_under_a_key_of_all_it_depends_on(tiny_dirs, tmp_path):
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
     adapter = LoraAdapter(model.config, seed=0)
-    load = lambda energy: _run_counting(  # noqa: E731
+    load = lambda energy: run_counting(  # noqa: E731
         ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, energy, tmp_path)
     )
     computed, work = load(0.9)
@@ -175,7 +164,7 @@ def test_the_subspace_is_cached_under_a_key_of_all_it_depends_on(tiny_dirs, tmp_
     loaded, no_work = load(0.9)
     assert work > 0 and no_work == 0  # the second start loads: not a slice of work
     other_rank = LoraAdapter(model.config, LoraConfig(r=4), seed=1)  # the same seams: the same subspace
-    assert _run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), other_rank, 0.9, tmp_path))[1] == 0
+    assert run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), other_rank, 0.9, tmp_path))[1] == 0
     reference = run_to_end(ProtectedSubspace.compute_slices(model, _Tok(), adapter, 0.9))
     for subspace in (computed, loaded):
         assert subspace.free == reference.free and set(subspace.bases) == set(reference.bases)
@@ -200,7 +189,7 @@ def test_a_process_waits_for_the_subspace_another_computes_then_loads_it(tiny_di
     has written the entry and let go, the loader reads it: computed once."""
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.float32)
     adapter = LoraAdapter(model.config, seed=0)
-    computed, work = _run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, 0.9, tmp_path))
+    computed, work = run_counting(ProtectedSubspace.load_or_compute_slices(model, _Tok(), adapter, 0.9, tmp_path))
     assert work > 4
     (entry,) = tmp_path.glob("protected-*.safetensors")
     held = entry.read_bytes()
@@ -212,7 +201,7 @@ def test_a_process_waits_for_the_subspace_another_computes_then_loads_it(tiny_di
         next(loading)  # waiting (computing, it would go on for more slices than are left below)
     entry.write_bytes(held)  # the other process's result ...
     os.close(other)  # ... and its lock let go
-    loaded, slices = _run_counting(loading)
+    loaded, slices = run_counting(loading)
     assert slices == 0 and loaded.free == computed.free
     for key, basis in computed.bases.items():
         torch.testing.assert_close(loaded.bases[key], basis, rtol=0, atol=0)
