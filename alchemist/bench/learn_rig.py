@@ -3,7 +3,7 @@
     rig = LearnRig(None, "auto", "cpu", OnlineConfig(), workdir)
     answers = rig.ask(["What is the capital of Durnholt?"], max_tokens=24)   # greedy and recorded, as served
     rig.ask(others, 24, anchor=True)          # traffic nobody gives feedback on: the trainer's anchors
-    rig.offer(answers)                        # another rig's answers, as anchors
+    rig.offer(other_rigs_answers)             # answers another rig served, as anchors
     rig.correct(answers[0], "The capital of Durnholt is Saltreach.")         # POST /v1/feedback's log entry
     rig.rate(answer, -1); rig.prefer(chosen, rejected)                       # thumbs and pairs, the same
     report = rig.train()                      # until nothing is queued: batches, promoted, blocked, steps, time
