@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from alchemist.model.gguf import default_cache_dir
 from tests.tiny_models import TINY_VARIANTS, make_tiny_hf_dir
+
+# The run's compiled kernels where a server started alone keeps them ($ALCHEMIST_CACHE/inductor): torch sets
+# TORCHINDUCTOR_CACHE_DIR in a process the first time it compiles (to /tmp/torchinductor_<user>), and every server a
+# worker started after that would inherit it, so that an empty $ALCHEMIST_CACHE did not make a run compile what a
+# fresh machine compiles.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

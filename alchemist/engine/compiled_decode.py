@@ -258,6 +258,13 @@ class CompiledDecode:
         self._step_layer = _compiled_layer(step_layer, self.shape, model.dtype)
         self._grouped_layer = _compiled_layer(grouped_decode_layer, self.shape, model.dtype)
         self._layer_ids = [torch.tensor(i) for i in range(len(model.layers))]  # step_attention's layer argument
+        for k, v in zip(cache.k, cache.v, strict=True):
+            # The cache's slots and length as sizes of any value: only our opaque attention ops read the cache, so
+            # the graphs (and inductor's cached kernels) are the same for every --max-num-seqs and --max-model-len,
+            # and a server started with other limits loads them instead of compiling anew.
+            for t in (k, v):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
         self._weights_of: tuple[object, list[LayerWeights]] | None = None  # (ops object, its weights)
         self.num_steps = 0  # decode steps run compiled (tests, profiles)
         self.num_prompt_steps = 0  # steps with prompt chunks run compiled

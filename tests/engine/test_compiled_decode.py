@@ -68,6 +68,22 @@ def test_a_swapped_adapter_serves_compiled_without_a_recompile(make_engine, tiny
     assert counters["stats"]["unique_graphs"] == warm  # base weights, then merged ones: the same graphs
 
 
+def test_an_engine_with_other_limits_decodes_through_the_same_graphs(make_engine, tiny_model):
+    """The cache's slots and length are dynamic sizes: another --max-num-seqs and --max-model-len compile nothing."""
+    prompt = random_prompts([9], seed=3)[0]
+    want = greedy_reference(tiny_model, prompt, GREEDY.max_tokens, [None])
+    first = make_engine(compile_decode=True, max_num_seqs=4, max_model_len=64)
+    warm = counters["stats"]["unique_graphs"]
+    for fields in ({"max_num_seqs": 4, "max_model_len": 64}, {"max_num_seqs": 6, "max_model_len": 96}):
+        engine = first if fields["max_num_seqs"] == 4 else make_engine(compile_decode=True, **fields)
+        cache = engine.runner.cache
+        assert (cache.num_slots, cache.max_len) == (fields["max_num_seqs"], fields["max_model_len"])
+        engine.add_request("r", prompt, GREEDY)
+        assert run_to_end(engine)["r"][-1].output_token_ids == want
+        assert engine.runner.compiled.num_steps == GREEDY.max_tokens - 1
+    assert counters["stats"]["unique_graphs"] == warm
+
+
 def test_compiled_bf16_agrees_with_eager_to_rounding(tiny_dirs):
     model = build_model(tiny_dirs["llama-gqa-untied"], torch.bfloat16)
     prompts = random_prompts([5, 17, 30, 9], seed=4)
