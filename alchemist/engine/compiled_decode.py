@@ -23,7 +23,7 @@ batch 2, and every other batch size reuses the second graph, so no decode batch 
 prompt chunks pads its rows to a multiple of 16, as eager linears do, and warm-up compiles 16 and 32 rows. Weights
 are graph inputs, not constants, so a newly merged adapter serves without recompiling. inductor's cache lives in
 ``$ALCHEMIST_CACHE/inductor``: a second start loads its graphs and C++ kernels instead of building them, whatever
-its limits (the cache's slots and length are dynamic sizes: 4 s of warm-up instead of 7.5 s, 23 s when cold).
+its limits (the cache's slots and length are dynamic sizes: docs/benchmarks.md, "Compiled decode step").
 
 It applies to forwards that add no separate adapter delta and record nothing (every step but those right after a swap
 whose merge is not complete, and those with a recorded prompt chunk), on a CPU where our decode kernel runs:
