@@ -1,6 +1,6 @@
 """`alchemist bench online` end to end on a tiny workload (4 short requests, 8 tokens each, feedback on 2): three
-real server processes, every row's fields present and sane, the backlog sampled over time. Speed is not
-asserted."""
+real server processes of a tiny random model with the default model's tokenizer and chat template, every row's
+fields present and sane, the backlog sampled over time. Speed is not asserted."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from alchemist.bench.online import TRAINING_FIELDS
+from tests.tiny_models import make_tiny_chat_dir
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
@@ -26,8 +27,9 @@ CMD += ["--train-batch-size", "2", "--train-max-wait-s", "0.2", "--drain-s", "12
 CMD += ["--train-epochs", "1", "--train-protect-energy", "0", "--train-rehearse-corrections", "0", "--train-no-gate"]
 
 
-def test_bench_online_tiny():
-    done = subprocess.run(CMD, capture_output=True, text=True, timeout=600)
+def test_bench_online_tiny(tmp_path):
+    model = ["--model", str(make_tiny_chat_dir(tmp_path))]
+    done = subprocess.run([*CMD, *model], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     runs = {r["run"]: r for r in rows if "run" in r}
