@@ -19,6 +19,8 @@ from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
 from tests.server.conftest import launch_server, wait_ready
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 MAX_TOKENS = 8
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "serve", "--json", "--requests-per-level", "2"]
 CMD += ["--max-tokens", str(MAX_TOKENS), "--max-prompt-tokens", "128", "--dtype", "float32", "--device", "cpu"]

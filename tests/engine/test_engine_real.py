@@ -11,6 +11,8 @@ import pytest
 from alchemist.config import EngineConfig
 from alchemist.engine import LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 CONFIG = dict(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=8)
 

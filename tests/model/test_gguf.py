@@ -29,6 +29,8 @@ from alchemist.model.config import ModelConfig
 from alchemist.model.gguf import GGUFError, default_cache_dir, default_gguf_path, gguf_to_hf_dir
 from alchemist.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CONFIG_FIELDS = (
     "model_type",
     "vocab_size",

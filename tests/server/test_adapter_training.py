@@ -27,6 +27,8 @@ from alchemist.model.peft_format import load_adapter, save_adapter
 from alchemist.server.auth import add_key
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 CORRECTIONS = 2  # at most: the question is asked again after each training, corrected again if still wrong
 QUESTION, CORRECTION, KNOWN = FACTS[0]
 OTHERS = [

@@ -27,6 +27,8 @@ from alchemist.model.peft_format import save_adapter
 from alchemist.server.auth import add_key
 from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait_ready, write_keys
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 NUM_MANY = 50
 MAX_LORAS = 4
 FLAGS = ["--max-num-seqs", "8", "--max-model-len", "256", "--no-train", "--max-loras", str(MAX_LORAS)]

@@ -18,6 +18,8 @@ from schemathesis.specs.openapi import checks as openapi_checks
 from alchemist.bench import http_calls
 from tests.server.conftest import MODEL_NAME, launch_server, wait_ready, write_keys
 
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
+
 MAX_EXAMPLES = 25
 FLAGS = ["--max-num-seqs", "2", "--max-model-len", "80", "--max-body-bytes", "16384", "--train-max-wait-s", "1"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from functools import partial
 
+import pytest
 import torch
 
 from alchemist.config.training import GateConfig
@@ -18,6 +19,8 @@ from alchemist.training.losses import first_token_margin
 from alchemist.training.recompute import recompute_loss, response_values_slices
 from alchemist.training.slices import run_counting, run_to_end
 from tests.tiny_models import make_tiny_chat_dir
+
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 FRANCE = "What is the capital of France?"
 

@@ -10,11 +10,14 @@ import sqlite3
 import time
 from collections.abc import Callable
 
+import pytest
 from playwright.sync_api import Page, expect
 
 from alchemist.bench import http_calls
 from tests.server.conftest import ServerProcess
 from tests.ui.conftest import ADAPTER, ARTIFACTS
+
+pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 TRAIN_TIMEOUT_MS = 240_000
 
