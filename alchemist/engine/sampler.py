@@ -88,9 +88,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> t
     drop = ranks >= top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass before it is below top_p: the most likely token always survives.
+    # Keep a token while the mass before it is below top_p; the most likely token always survives (a top_p under
+    # float32's range is 0 here, and the mass before the first token, 0, would not be below it).
     mass_before = probs.cumsum(dim=-1) - probs
     # Rows with top_p == 1 skip this: fp32 cumsum can reach 1.0 early and would drop tokens it should keep.
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

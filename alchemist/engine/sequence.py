@@ -26,6 +26,7 @@ import torch
 from alchemist.model.tokenizer import IncrementalDetokenizer
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+SAMPLING_EPS = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 SEED_MODULUS = 1 << 64  # torch.Generator seeds are 64-bit; any int seed maps onto one
 # The adapter name a request gives to be served by the base model alone (no adapter may be set under it).
 BASE = "base"
@@ -81,7 +82,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small (under ``SAMPLING_EPS``, as vLLM's) that sampling is argmax anyway:
+        logits divided by it would overflow float32."""
+        return self.temperature < SAMPLING_EPS
 
 
 def _is_int(x: object) -> bool:

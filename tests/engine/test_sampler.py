@@ -24,10 +24,21 @@ def test_greedy_rows_are_argmax_next_to_random_rows():
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
-    logits = torch.randn(4, 500, generator=generator(1))
+    logits = torch.randn(5, 500, generator=generator(1))
     params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(top_k=1, top_p=0.5)]
     params.append(SamplingParams(temperature=5.0, top_k=1))
-    out = Sampler()(logits, params, [generator(i) for i in range(4)])
+    params.append(SamplingParams(temperature=0.26, top_p=1.02e-79))  # 0 in float32: the top token still survives
+    out = Sampler()(logits, params, [generator(i) for i in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_temperature_under_float32s_reach_is_greedy():
+    """Logits divided by 1e-300 (0 in float32) or 1e-7 overflow: such a request decodes greedily, as vLLM's does
+    under 1e-5, never a token past the vocabulary."""
+    logits = torch.randn(3, 500, generator=generator(2)) * 5
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-300, 1e-7, 9e-6)]
+    assert all(p.is_greedy for p in params) and not SamplingParams(temperature=1e-5).is_greedy
+    out = Sampler()(logits, params, [None] * 3)
     assert out.token_ids == logits.argmax(-1).tolist()
 
 

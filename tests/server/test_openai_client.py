@@ -127,6 +127,15 @@ def test_seed_makes_sampling_deterministic(client):
     assert len(others | {first}) > 1  # the seed matters
 
 
+def test_a_top_p_or_temperature_under_float32s_reach_answers_greedily(client):
+    """Valid values that are 0 in float32 (schemathesis found the engine dead after top_p=1.02e-79): the most likely
+    token, as a greedy request gets it, and the server serving on."""
+    greedy = chat(client).choices[0].message.content
+    for sampling in ({"temperature": 0.26, "top_p": 1.02e-79}, {"temperature": 1e-300}):
+        assert chat(client, **sampling).choices[0].message.content == greedy, sampling
+    assert chat(client).choices[0].message.content == greedy
+
+
 def test_extra_fields_top_k_and_alchemist_record(client, server):
     recorded_before = server.metrics().get("alchemist:recorded_prompts_total", 0.0)
     response = chat(client, max_tokens=4, extra_body={"top_k": 1, "alchemist": {"record": True}}, temperature=1.0)
