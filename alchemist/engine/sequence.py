@@ -82,8 +82,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Temperature 0, or one so small (under ``SAMPLING_EPS``, as vLLM's) that sampling is argmax anyway:
-        logits divided by it would overflow float32."""
+        """Temperature 0, or under ``SAMPLING_EPS`` as in vLLM: so sharp a distribution is argmax's, and a temperature
+        under float32's range (1e-300 is 0 there) would divide the logits by zero."""
         return self.temperature < SAMPLING_EPS
 
 
