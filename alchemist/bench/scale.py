@@ -55,6 +55,7 @@ from alchemist.bench.postgres import fresh_database, postgres_server
 from alchemist.bench.report import print_rows
 from alchemist.model.loader import hf_dir_for
 from alchemist.model.tokenizer import Tokenizer
+from alchemist.scale.replica_set import WATCH_S
 
 P = "alchemist:training_"
 
@@ -90,6 +91,21 @@ def wait_ready(url: str, replicas: int, timeout_s: float = 600.0) -> None:
 def queued(url: str) -> int:
     backlog = http_calls.get(url + "/v1/feedback", params={"limit": 1}, timeout=30).json()["backlog"]
     return sum(kind["count"] for kind in backlog.values())
+
+
+def settled_versions(url: str, timeout_s: float = 60.0) -> list[int]:
+    """The versions the replicas serve once they agree and the front has seen it: the same set in polls a second
+    and a half apart (the front asks each replica every ``WATCH_S``; the log marks a batch trained right after its
+    version swapped in on one replica, and the others swap it in at their next step)."""
+    deadline, seen, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while True:
+        replicas = http_calls.get(url + "/v1/replicas", timeout=30).json()["data"]
+        versions = sorted({r["adapter_version"] for r in replicas})
+        if versions != seen:
+            seen, since = versions, time.monotonic()
+        if (len(versions) == 1 and time.monotonic() - since >= 3 * WATCH_S) or time.monotonic() > deadline:
+            return versions
+        time.sleep(WATCH_S / 2)
 
 
 def bench_level(args: argparse.Namespace, replicas: int, work, database: str) -> dict:
@@ -140,11 +156,7 @@ def bench_level(args: argparse.Namespace, replicas: int, work, database: str) ->
             hits = front.get('alchemist:front_feedback_total{affinity="hit"}', 0.0)
             misses = front.get('alchemist:front_feedback_total{affinity="miss"}', 0.0)
             row["feedback_affinity"] = round(hits / (hits + misses), 3) if hits + misses else None
-            deadline = time.monotonic() + 60.0  # a version swaps in at a replica's next step: give them that
-            while len(versions := {r["adapter_version"] for r in http_calls.get(
-                    server.url + "/v1/replicas", timeout=30).json()["data"]}) > 1 and time.monotonic() < deadline:
-                time.sleep(0.5)
-            row["versions"] = sorted(versions)
+            row["versions"] = settled_versions(server.url)
         else:
             row["feedback_affinity"] = 1.0 if row["feedback"] else None  # one replica holds every record
             row["versions"] = [http_calls.get(server.url + "/v1/adapters", timeout=30).json()["serving_version"]]
