@@ -16,8 +16,10 @@ pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 CMD = [sys.executable, "-m", "alchemist.cli", "bench", "scale", "--json", "--num-requests", "4", "--request-rate", "8"]
 CMD += ["--max-prompt-tokens", "96", "--max-tokens", "8", "--feedback", "correction", "--feedback-fraction", "0.5"]
 CMD += ["--max-num-seqs", "4", "--record-budget-mb", "256", "--train-batch-size", "2", "--train-max-wait-s", "0.2"]
-# The rows' plumbing, as tests/bench/test_online.py's: one step a batch, no protected directions, no rehearsal, no gate.
+# The rows' plumbing, as tests/bench/test_online.py's: one step a batch, no protected directions, no rehearsal, no gate,
+# eager decode.
 CMD += ["--train-epochs", "1", "--train-protect-energy", "0", "--train-rehearse-corrections", "0", "--train-no-gate"]
+CMD += ["--enforce-eager"]
 CMD += ["--drain-s", "120"]
 
 
