@@ -94,9 +94,9 @@ def queued(url: str) -> int:
 
 
 def settled_versions(url: str, timeout_s: float = 60.0) -> list[int]:
-    """The versions the replicas serve once they agree and the front has seen it: the same set in polls a second
-    and a half apart (the front asks each replica every ``WATCH_S``; the log marks a batch trained right after its
-    version swapped in on one replica, and the others swap it in at their next step)."""
+    """The versions the replicas serve once they agree and the front has seen it: one version, unchanged for a
+    second and a half of polls (the front asks each replica every ``WATCH_S``; the log marks a batch trained right
+    after its version swapped in on one replica, and the others swap it in at their next step)."""
     deadline, seen, since = time.monotonic() + timeout_s, None, time.monotonic()
     while True:
         replicas = http_calls.get(url + "/v1/replicas", timeout=30).json()["data"]

@@ -10,7 +10,6 @@ start's warm-up (the compile, as the server logs it), the FX graphs inductor's c
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,18 +18,14 @@ from pathlib import Path
 
 import httpx
 
+from alchemist.bench.serving import _free_port
+
 LIMITS = [("512", "4"), ("1024", "8"), ("2048", "2")]  # (--max-model-len, --max-num-seqs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(limits: tuple[str, str], inductor: Path) -> tuple[str, str]:
     """(the server's warm-up line, its greedy answer to one question)."""
-    port = free_port()
+    port = _free_port()
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", "--port", str(port), "--served-model-name", "m",
            "--no-train", "--max-model-len", limits[0], "--max-num-seqs", limits[1]]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
@@ -41,7 +36,8 @@ def start(limits: tuple[str, str], inductor: Path) -> tuple[str, str]:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         body = {"model": "m", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
                 "temperature": 0}  # fmt: skip
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60).json()
