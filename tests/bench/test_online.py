@@ -25,8 +25,9 @@ CMD += ["--train-batch-size", "2", "--train-max-wait-s", "0.2", "--drain-s", "12
 # evaluation gate (its base model's values, once per server, are most of a tiny run's training: 153 s for the test
 # with it on a Zen 4, 70 s without; tests/server/test_gate.py tests it).
 CMD += ["--train-epochs", "1", "--train-protect-energy", "0", "--train-rehearse-corrections", "0", "--train-no-gate"]
-# Decode eager: the compiled step's warm-up was 3.4 s of CPU per server, half of what a tiny server spends to start,
-# for rows whose speed is not asserted (tests/engine/test_compiled_decode.py and test_default_serve.py compile).
+# Decode eager: compiled, the first server compiled the tiny model's graphs on a fresh cache (27 s) and each warm-up
+# took 3.4 s of CPU, half of a tiny server's start, for rows whose speed is not asserted (the compiled step is
+# tests/engine/test_compiled_decode.py's and tests/server/test_default_serve.py's).
 CMD += ["--enforce-eager"]
 
 
