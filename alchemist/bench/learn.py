@@ -10,8 +10,8 @@ Parts (each one's rows carry ``part``; each builds its own parts, so they can ru
   wrong answers and trains until nothing is queued, then asks again. A row per round: the facts known after that
   many corrections each (at most), the mini-batches trained and how many versions the evaluation gate promoted or
   blocked (and the facts not known, with their answers, on stderr). Then the held-out perplexity rise (12 ShareGPT
-  replies, fp32, vs the base model) and how many of ``--unrelated`` other ShareGPT questions keep their greedy answer
-  (32 tokens, and its first 16);
+  replies, fp32, vs the base model) and how many of ``--unrelated`` other ShareGPT questions (each asked alone) keep
+  their greedy answer (32 tokens, and its first 16);
 - ``forgetting``: ``--facts`` facts made from templates (``invented_facts``), taught one after another (asked;
   corrected and trained if wrong, at most twice), all taught so far asked again after every tenth: how many of the
   first ten are still known (and of all of them);
@@ -136,8 +136,7 @@ def ask_alone(rig: LearnRig, questions: list[str], max_tokens: int) -> list[Answ
     """Greedy answers, one question at a time, so that each decodes alone before and after the teaching: in bf16 an
     answer depends on the batches it decodes in, and the engine's scheduler, which times its steps, mixes prefills
     and decodes differently from one run to the next (tests/server/test_online.py asks the server so too). Asked all
-    together, 30 of 30 stayed the same until 8148826 (a step may prefill beside decodes that outlast the objective)
-    and 18 to 23 after it; one at a time, 30 (docs/benchmarks.md, "Learning with the defaults")."""
+    together, the count measured the scheduler (docs/benchmarks.md, "Learning with the defaults")."""
     return [answer for question in questions for answer in rig.ask([question], max_tokens)]
 
 
