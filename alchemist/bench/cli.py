@@ -200,6 +200,9 @@ def _learn(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--preference-rounds", type=int, default=2, help="thumbs, pairs: rounds of sampling and feedback")
     p.add_argument("--preference-tokens", type=int, default=128, help="thumbs, pairs: answers' max tokens")
     p.add_argument("--held-out", type=int, default=16, help="thumbs, pairs: questions whose greedy length is measured")
+    p.add_argument("--held-out-medians", action=argparse.BooleanOptionalAction, default=True,
+                   help="thumbs, pairs: their greedy answers asked again after each round, for the median (without: "
+                        "the held-out margin alone after round 0)")  # fmt: skip
     p.add_argument("--prefer", choices=("shorter", "longer"), default="shorter",
                    help="thumbs, pairs: the preference the feedback shows (longer: the control)")  # fmt: skip
     p.add_argument("--json", action="store_true")

@@ -25,7 +25,9 @@ anchors: a measurement, not traffic). After each round, r(y) = log p_served(y | 
 and the margin is r(preferred) - r(other): its mean (nats) and the share of pairs where it is positive. It moves
 with every promoted version, where the median, a count of greedy answers cut at the limit, moves only once a
 preference has tipped most of them (docs/benchmarks.md, "Thumbs and pairs"). ``--seed`` picks other questions and
-samples (0: the results page's).
+samples (0: the results page's). ``--no-held-out-medians``: the held-out questions are not asked again after the
+rounds (their median and fall are None; the margin is measured all the same), for the test that asserts the margin
+(tests/bench/test_preferences_learned.py).
 """
 
 from __future__ import annotations
@@ -81,12 +83,13 @@ def preferences(
         report = rig.train()
         for reason in report.reasons:
             print(f"# {feedback}, round {round_}: the evaluation gate blocked a version: {reason}", file=sys.stderr)
-        median = held_out_median()
+        median = held_out_median() if args.held_out_medians else None
         rows.append({"part": feedback, "prefer": args.prefer, "round": round_, "entries": entries,
                      "sampled_median": statistics.median(len(a.output_ids) for a in sampled), **report.row(),
-                     "held_out_median": median, "fall": round(1 - median / before, 3), **margins.row()})  # fmt: skip
+                     "held_out_median": median, "fall": None if median is None else round(1 - median / before, 3),
+                     **margins.row()})  # fmt: skip
         print_rows(rows[-1:], True, sys.stderr)
-    if args.prefer == "shorter":  # the control's goal is no fall: read from its rows
+    if args.prefer == "shorter" and args.held_out_medians:  # the control's goal is no fall: read from its rows
         rows[-1]["goal_fall"] = rows[-1]["fall"] >= GOAL_FALL
     return rows, base
 

@@ -14,7 +14,8 @@ parts, other questions, 16 or 24 held out, 64 or 96 tokens): +1.1 to +6.4 nats, 
 round it was below zero twice. The issue's own measure, the median greedy length falling by 30%, is the benchmark's
 goal (docs/benchmarks.md, "Thumbs and pairs"), not asserted here: it counts greedy answers cut at the limit and
 moves only once a preference has tipped most of them, which at this size it did in three runs of those thirteen; a
-test of it on 12 held-out questions passed by their luck and failed CI by chance."""
+test of it on 12 held-out questions passed by their luck and failed CI by chance. Nor is it measured after the rounds
+(``--no-held-out-medians``: four times 24 greedy answers, 12% of the test's time)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
-CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json", "--held-out", "24"]
+CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json", "--held-out", "24", "--no-held-out-medians"]
 PROMPTS = 32  # a round's questions
 CMD += ["--preference-tokens", "64", "--preference-prompts", str(PROMPTS)]
 FEEDBACK = ("thumbs", "pairs")
@@ -57,4 +58,4 @@ def test_a_preference_shown_only_by_feedback_moves_the_served_model(rounds):
     assert sum(r["promoted"] for r in trained) >= 1  # what serves went through the evaluation gate
     if feedback == "thumbs":
         assert all(r["entries"] == PROMPTS for r in trained)  # every answer rated, up or down
-    print(f"{feedback}: held-out median {first['held_out_median']} -> {last['held_out_median']} (the benchmark's goal)")
+    assert last["held_out_median"] is None and first["held_out_median"] > 0  # measured before the rounds only

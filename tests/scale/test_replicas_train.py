@@ -21,6 +21,14 @@ from tests.server.conftest import MODEL_NAME
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 TRAIN_TIMEOUT_S = 900.0
+# The kill's corrections say what the model says already (a mean loss per token under 0.14 in bf16, every token
+# likelier than 0.5), so that their batch ends after a step or two: the test before shows that the replicas learn,
+# this one that nothing acknowledged is lost. Four new facts took 16 steps, 107 s of the survivor's training
+# (docs/benchmarks.md, "The suite on two workers").
+KNOWN = [("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+         ("What is the capital of the United Kingdom?", "The capital of the United Kingdom is London."),
+         ("What is the capital of Greece?", "The capital of Greece is Athens."),
+         ("What is the capital of Russia?", "The capital of Russia is Moscow.")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +89,10 @@ def test_a_replica_killed_while_training_comes_back_at_the_current_version(front
     acknowledged correction ends trained once, by a version both replicas then serve."""
     victim, survivor = replicas(front)
     acknowledged = []
-    for fact in FACTS[5:9]:
-        answer = ask(front.base_url, fact[0])
+    for question, correction in KNOWN:
+        answer = ask(front.base_url, question)
         response = http_calls.post(front.base_url + "/v1/feedback", json={"response_id": answer["id"],
-                                   "correction": fact[1]}, timeout=30)  # fmt: skip
+                                   "correction": correction}, timeout=30)  # fmt: skip
         assert response.status_code == 200, response.text
         acknowledged.append(response.json()["id"])
     os.kill(victim["pid"], signal.SIGKILL)
