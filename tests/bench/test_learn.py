@@ -25,25 +25,27 @@ CMD = [sys.executable, "-m", "alchemist.cli", "bench", "learn", "--json"]
 QUICK = ("--set", "epochs=1", "--set", "protect_energy=0")
 
 
-# All three parts in one process (one start-up, one computation of the gate's base values), each part's own flags.
-PARTS = ("--parts", "teach", "forgetting", "throughput", "--others", "2")
+# The parts in one process (one start-up, one computation of the gate's base values), each part's own flags.
+PARTS = ("--parts", "teach", "forgetting", "throughput", "thumbs", "--others", "2")
 TEACH = ("--teach-facts", "2", "--rounds", "1", "--unrelated", "2")
 FORGETTING = ("--facts", "1", "--others-per-fact", "0")
 # long enough that the tiny model's times, rounded to milliseconds, still give their ratios
 THROUGHPUT = ("--throughput-items", "2", "--max-prompt-tokens", "768", "--max-response-tokens", "64", "--repeats", "1")
+# the held-out medians after each round, which the real model's test leaves out (--no-held-out-medians)
+THUMBS = ("--preference-prompts", "4", "--preference-rounds", "1", "--preference-tokens", "8", "--held-out", "4")
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:
     model = ("--model", str(make_tiny_chat_dir(tmp_path_factory.mktemp("learn"))))
-    done = subprocess.run([*CMD, *model, *PARTS, *TEACH, *FORGETTING, *THROUGHPUT, *QUICK], capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    done = subprocess.run([*CMD, *model, *PARTS, *TEACH, *FORGETTING, *THROUGHPUT, *THUMBS, *QUICK],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def test_teach_rows(rows):
-    assert {r["part"] for r in rows} == {"teach", "teach_end", "forgetting", "throughput"}
+    assert {r["part"] for r in rows} == {"teach", "teach_end", "forgetting", "throughput", "thumbs"}
     teach = [r for r in rows if r["part"] == "teach"]
     assert [r["round"] for r in teach] == [0, 1]
     assert teach[0]["known"] == 0 and teach[0]["of"] == 2  # it could not know them
@@ -103,3 +105,12 @@ def test_set_overrides_online_config_fields_only():
     assert (config.anchors.weight, config.trainer.group_size) == (1.5, 2)
     with pytest.raises(ValueError, match="no_such_field"):
         online_config(["no_such_field=1"])
+
+
+def test_thumbs_rows(rows):
+    rounds = [r for r in rows if r["part"] == "thumbs"]
+    assert [r["round"] for r in rounds] == [0, 1] and rounds[1]["entries"] == 4  # every answer rated, up or down
+    before, after = rounds[0]["held_out_median"], rounds[1]["held_out_median"]
+    assert 1 <= before <= 8 and 1 <= after <= 8  # asked again after the round
+    assert rounds[1]["fall"] == round(1 - after / before, 3) and rounds[1]["goal_fall"] == (rounds[1]["fall"] >= 0.3)
+    assert rounds[1]["batches"] == rounds[1]["promoted"] + rounds[1]["blocked"] >= 1

@@ -15,7 +15,7 @@ round it was below zero twice. The issue's own measure, the median greedy length
 goal (docs/benchmarks.md, "Thumbs and pairs"), not asserted here: it counts greedy answers cut at the limit and
 moves only once a preference has tipped most of them, which at this size it did in three runs of those thirteen; a
 test of it on 12 held-out questions passed by their luck and failed CI by chance. Nor is it measured after the rounds
-(``--no-held-out-medians``: four times 24 greedy answers, 12% of the test's time)."""
+(``--no-held-out-medians``: four times 24 greedy answers; docs/benchmarks.md, "The suite on two workers")."""
 
 from __future__ import annotations
 

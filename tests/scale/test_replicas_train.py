@@ -21,10 +21,9 @@ from tests.server.conftest import MODEL_NAME
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
 TRAIN_TIMEOUT_S = 900.0
-# The kill's corrections say what the model says already (a mean loss per token under 0.14 in bf16, every token
-# likelier than 0.5), so that their batch ends after a step or two: the test before shows that the replicas learn,
-# this one that nothing acknowledged is lost. Four new facts took 16 steps, 107 s of the survivor's training
-# (docs/benchmarks.md, "The suite on two workers").
+# The kill's corrections say what the model says already, so that their batch ends after a step or two: the test
+# before shows that the replicas learn, this one that nothing acknowledged is lost (new facts took all 16 steps:
+# docs/benchmarks.md, "The suite on two workers").
 KNOWN = [("What is the capital of Japan?", "The capital of Japan is Tokyo."),
          ("What is the capital of the United Kingdom?", "The capital of the United Kingdom is London."),
          ("What is the capital of Greece?", "The capital of Greece is Athens."),

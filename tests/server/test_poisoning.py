@@ -15,8 +15,8 @@ from tests.server.conftest import MODEL_NAME, ServerProcess, launch_server, wait
 
 pytestmark = pytest.mark.slow  # scheduled first (tests/conftest.py)
 
-# The guard screens a batch's first step. The released garbage, never learned, trains every one of --train-epochs
-# steps: 8, where the default 16 took 40 s of the test's 88 (the sensible corrections were learned in 7).
+# The guard screens a batch's first step; the released garbage, never learned, trains every one of --train-epochs
+# steps, which the default's 16 made half the test (docs/benchmarks.md, "The suite on two workers").
 FLAGS = [
     *("--max-num-seqs", "4", "--max-model-len", "256", "--train-batch-size", "4", "--train-max-wait-s", "5"),
     *("--train-loss-spike-factor", "3", "--train-loss-spike-warmup", "4", "--train-anchor-weight", "0"),
