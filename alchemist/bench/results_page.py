@@ -224,7 +224,8 @@ def learn_block(meta: dict, folder: Path) -> str:
              "train s", "held-out median", "fall", "goal", "held-out margin, nats (pairs it favours)"],
             [[label, r["round"], r["entries"], "-" if r["sampled_median"] is None else r["sampled_median"],
               f"{r['promoted']} / {r['blocked']}", r["steps"], r["quarantined"], f1(r["train_s"]),
-              r["held_out_median"], f"{r['fall']:.0%}",
+              "-" if r["held_out_median"] is None else r["held_out_median"],
+              "-" if r["fall"] is None else f"{r['fall']:.0%}",
               f">= 30%: {yes[r['goal_fall']]}" if "goal_fall" in r else "", margin(r)] for label, r in rounds],
         ))  # fmt: skip
     return "\n".join(blocks)

@@ -113,3 +113,13 @@ def test_serve_adapters_rows_make_a_row_per_run_and_k_and_issue_44s_goals(tmp_pa
     assert "| first_turn | 16 | 32 | ours: 16 adapters / 1 | **0.90** | >= 0.85 | met |" in block
     assert "| first_turn | 1 | 32 | ours / vLLM | **1.05** | >= 1.0 | met |" in block
     assert "| first_turn | 16 | 32 | ours / vLLM | **0.95** | >= 1.0 | not met |" in block
+
+
+def test_preference_rounds_without_held_out_medians_show_a_dash(tmp_path):
+    """`bench learn --no-held-out-medians` rows (the suite's) have no median or fall after round 0."""
+    row = {"round": 1, "entries": 4, "sampled_median": 8, "promoted": 1, "blocked": 0, "steps": 1, "quarantined": 0,
+           "train_s": 1.0, "held_out_median": None, "fall": None, "held_out_pairs": 2, "held_out_margin": 0.5,
+           "held_out_accuracy": 1.0}  # fmt: skip
+    (tmp_path / "thumbs.jsonl").write_text(json.dumps(row) + "\n")
+    block = results_page.learn_block({"preferences": {"thumbs": "thumbs.jsonl"}}, tmp_path)
+    assert "| thumbs | 1 | 4 | 8 | 1 / 0 | 1 | 0 | 1.0 | - | - |  |" in block
